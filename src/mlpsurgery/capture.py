@@ -1,0 +1,169 @@
+"""Record what each layer's MLP sub-block sees and produces on calibration batches.
+
+For every chosen layer, the pair (x, y): x the residual stream entering the MLP sub-block, y = x + delta
+what leaves it (see sites.py; for post-norm encoders y is taken before the outer LayerNorm). Rows are
+tokens: x, y are (n_tokens, d).
+
+Captures stream batch by batch into chunks, kept in memory or written to disk as one safetensors file
+per chunk, so the corpus size is bounded by disk, not RAM. A disk capture is resumable: an interrupted
+run keeps its finished chunks and a rerun with the same model, data and layers computes only the rest.
+The forward pass stops after the last chosen layer (nothing downstream is computed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .errors import IntegrityError, MLPSurgeryError
+from .sites import find_sites
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass
+class Capture:
+    """Per-layer (x, y) token rows, chunked. Chunks live in `memory` or as files under `root`."""
+
+    layers: list[int]
+    d: int
+    root: Path | None = None
+    memory: list[dict[str, Tensor]] = field(default_factory=list)
+    n_chunks: int = 0
+    tokens_per_chunk: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.tokens_per_chunk)
+
+    def chunk(self, k: int, layers: list[int] | None = None) -> dict[int, tuple[Tensor, Tensor]]:
+        """Chunk k as {layer: (x, y)}, for the given layers (default all)."""
+        layers = self.layers if layers is None else layers
+        if self.root is None:
+            data = self.memory[k]
+            return {i: (data[f"x.{i}"], data[f"y.{i}"]) for i in layers}
+        with safe_open(self.root / f"chunk_{k:05d}.safetensors", framework="pt") as f:
+            return {i: (f.get_tensor(f"x.{i}"), f.get_tensor(f"y.{i}")) for i in layers}
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """All rows of one layer (concatenated over chunks): only for captures that fit in memory."""
+        xs, ys = zip(*(self.chunk(k, [i])[i] for k in range(self.n_chunks)))
+        return torch.cat(xs), torch.cat(ys)
+
+    def relative_error(self, i: int, fn, batch: int = 4096) -> float:
+        """sum ||fn(x) - y||^2 / sum ||y - x||^2 over all rows of layer i (1.0 = no better than identity)."""
+        num = den = 0.0
+        with torch.no_grad():
+            for k in range(self.n_chunks):
+                x, y = self.chunk(k, [i])[i]
+                for s in range(0, len(x), batch):
+                    xb, yb = x[s:s + batch].float(), y[s:s + batch].float()
+                    num += (fn(xb) - yb).pow(2).sum().item()
+                    den += (yb - xb).pow(2).sum().item()
+        return num / max(den, 1e-30)
+
+
+def _fingerprint(model: nn.Module, blocks: Tensor, layers: list[int], dtype: torch.dtype) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"layers": layers, "dtype": str(dtype), "shape": list(blocks.shape)}).encode())
+    h.update(blocks.cpu().numpy().tobytes())
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().float().flatten()[:64].cpu().numpy().tobytes())
+        h.update(str(float(p.detach().float().sum())).encode())
+    return h.hexdigest()
+
+
+def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = None, batch_size: int = 8,
+                   out_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                   progress: bool = True, device: torch.device | str | None = None) -> Capture:
+    """Capture (x, y) of the chosen layers' MLP sub-blocks over `blocks` (N, T) of token ids.
+
+    out_dir: None keeps chunks in memory; a folder writes one safetensors file per batch (resumable).
+    dtype: storage precision (bfloat16 halves the disk; the forward itself runs in the model's dtype).
+    """
+    sites = find_sites(model)
+    layers = list(range(len(sites))) if layers is None else sorted(set(layers))
+    if not layers:
+        raise MLPSurgeryError("no layers chosen for capture")
+    if blocks.dim() != 2 or len(blocks) == 0:
+        raise MLPSurgeryError(f"calibration blocks must be a non-empty (N, T) tensor of token ids, got {tuple(blocks.shape)}")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    n_chunks = (len(blocks) + batch_size - 1) // batch_size
+    cap = Capture(layers=layers, d=sites.config.hidden_size, n_chunks=n_chunks)
+    done: set[int] = set()
+    if out_dir is not None:
+        root = Path(out_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        cap.root = root
+        fp = _fingerprint(model, blocks, layers, dtype)
+        meta_path = root / "capture.json"
+        if meta_path.exists():
+            try:
+                meta = json.loads(meta_path.read_text())
+            except json.JSONDecodeError:
+                raise IntegrityError(f"{meta_path} is corrupted; delete the folder {root} to capture afresh") from None
+            if meta.get("fingerprint") != fp:
+                raise MLPSurgeryError(f"{root} holds a capture of another model, data or layer set; "
+                                      "choose an empty folder or delete it")
+            done = {k for k in range(n_chunks) if (root / f"chunk_{k:05d}.safetensors").exists()}
+        else:
+            meta_path.write_text(json.dumps({"fingerprint": fp, "layers": layers, "n_chunks": n_chunks,
+                                             "batch_size": batch_size, "dtype": str(dtype)}))
+    cap.tokens_per_chunk = [min(batch_size, len(blocks) - k * batch_size) * blocks.shape[1] for k in range(n_chunks)]
+
+    last = layers[-1]
+    store: dict[str, Tensor] = {}
+
+    def pre_hook(i):
+        def hook(mod, args):
+            store[f"x.{i}"] = args[0].detach().reshape(-1, cap.d)
+        return hook
+
+    def post_hook(i):
+        def hook(mod, args, out):
+            delta = out[0] if isinstance(out, tuple) else out
+            x = store[f"x.{i}"]
+            store[f"y.{i}"] = (x + delta.detach().reshape(-1, cap.d)).to(dtype=dtype, device="cpu").contiguous()
+            store[f"x.{i}"] = x.to(dtype=dtype, device="cpu").contiguous()
+            if i == last:
+                raise _StopForward
+        return hook
+
+    handles = []
+    try:
+        for i in layers:
+            handles.append(sites.mlp[i].entry.register_forward_pre_hook(pre_hook(i)))
+            handles.append(sites.mlp[i].exit.register_forward_hook(post_hook(i)))
+        todo = [k for k in range(n_chunks) if k not in done]
+        with torch.no_grad():
+            for k in tqdm(todo, desc="capture", unit="batch", disable=not progress, initial=len(done), total=n_chunks):
+                store.clear()
+                batch = blocks[k * batch_size:(k + 1) * batch_size].to(device)
+                try:
+                    model(input_ids=batch)
+                except _StopForward:
+                    pass
+                chunk = {n: store[n] for n in sorted(store)}
+                if cap.root is None:
+                    cap.memory.append(chunk)
+                else:
+                    path = cap.root / f"chunk_{k:05d}.safetensors"
+                    tmp = path.with_suffix(".tmp")
+                    save_file(chunk, str(tmp))
+                    os.replace(tmp, path)
+    finally:
+        for hnd in handles:
+            hnd.remove()
+    return cap

@@ -1,0 +1,90 @@
+"""The `mlpsurgery` command line: thin wrappers, one library call per command.
+
+Commands live in small modules (core, and one per method); each registers its subcommands on the
+shared top-level groups (`eval`, `lock`, `attack`, ...). Every command takes --json (machine-readable
+result on stdout; progress bars go to stderr) and --quiet. User errors print one line naming the
+problem and the fix, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Callable
+
+from ..errors import MLPSurgeryError
+
+# Command modules, in the order their commands appear in --help.
+COMMAND_MODULES = ("core",)
+GROUPS = {
+    "eval": "measure a model: perplexity, accuracy, cost",
+    "lock": "lock a model (DLR-Lock against fine-tuning, CoreLocker access key)",
+    "attack": "attack a locked model the way an adaptive adversary would",
+}
+
+
+def common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    return p
+
+
+def command(sub, name: str, run: Callable, render: Callable[[dict], str], help: str, **kw) -> argparse.ArgumentParser:
+    """Add a subcommand whose handler returns a JSON-able dict and whose renderer turns it into text."""
+    p = sub.add_parser(name, help=help, description=help, parents=[common()], **kw)
+    p.set_defaults(run=run, render=render)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlpsurgery", description="Surgery on the MLP blocks and attention heads "
+                                     "of pretrained transformers.")
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"mlpsurgery {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    groups = {}
+    for name, text in GROUPS.items():
+        g = sub.add_parser(name, help=text, description=text)
+        groups[name] = g.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+        g.set_defaults(group_parser=g)
+    for mod in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{mod}").register(sub, groups)
+    return parser
+
+
+def device_of(args) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        (getattr(args, "group_parser", None) or parser).print_help()
+        return 0
+    if args.quiet or args.json:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        result = args.run(args)
+    except MLPSurgeryError as e:
+        print(f"mlpsurgery: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mlpsurgery: interrupted (long runs resume from their checkpoint when started again)", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(args.render(result))
+    return 0

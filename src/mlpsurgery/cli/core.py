@@ -1,0 +1,274 @@
+"""Foundation commands: inspect, eval ppl / cost / acc, export, fetch, demo."""
+
+from __future__ import annotations
+
+import time
+
+from ..report import human_bytes, human_count, table
+from . import command, device_of
+
+MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
+
+
+def _load(args, task: str = "auto", **kw):
+    from ..models import load_model
+
+    loaded = load_model(args.model, task=task, **kw)
+    loaded.model.to(device_of(args))
+    return loaded
+
+
+# ---- inspect ----------------------------------------------------------------------------------------
+
+def run_inspect(args) -> dict:
+    from ..measure.cost import inspect
+
+    loaded = _load(args)
+    out = inspect(loaded.model, context=args.context)
+    out["source"] = loaded.source
+    return out
+
+
+def render_inspect(r: dict) -> str:
+    p, f = r["params"], r["flops_per_token"]
+    lines = [
+        f"{r['source']}",
+        f"  {r['model_class']} (architecture {r['architecture']}): {r['layers']} layers, d={r['d']}, "
+        f"MLP inner width {r['mlp_inner_width']} ({'gated' if r['gated_mlp'] else 'plain'}, {r['activation']}), "
+        f"{r['heads']} heads in {r['kv_groups']} KV groups of {r['head_dim']}, vocab {r['vocab']}",
+        "",
+        table([{"part": k, "params": human_count(p[k]), "param share": f"{r['param_share'][k]:.1%}"}
+               for k in ("embeddings", "attention", "mlp", "head", "other")]),
+        f"total parameters {human_count(p['total'])}",
+        "",
+        table([{"part": k, "FLOPs/token": human_count(f[k]), "share": f"{r['flop_share'][k]:.1%}"}
+               for k in ("mlp", "attention_proj", "attention_scores", "head")]),
+        f"forward FLOPs per token at context {f['context']}: {human_count(f['total'])}",
+        "",
+        table(r["sites"]),
+    ]
+    return "\n".join(lines)
+
+
+# ---- eval ppl ---------------------------------------------------------------------------------------
+
+def run_ppl(args) -> dict:
+    from ..data import load_corpus
+    from ..measure.perplexity import perplexity
+
+    loaded = _load(args)
+    corpus = load_corpus(args.data, loaded.require_tokenizer())
+    t0 = time.perf_counter()
+    res = perplexity(loaded.model, corpus.sequences(args.split), block_len=args.block_len, stride=args.stride,
+                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=not args.quiet)
+    out = res.as_dict()
+    out.update(model=loaded.source, data=corpus.source, split=args.split, split_rule=corpus.split,
+               documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
+               seconds=time.perf_counter() - t0)
+    return out
+
+
+def render_ppl(r: dict) -> str:
+    p = r["protocol"]
+    return (f"perplexity {r['ppl']:.3f} (NLL {r['nll']:.4f} nats/token) over {r['tokens']} tokens\n"
+            f"  model {r['model']}\n  data {r['data']}, {r['split']} split: {', '.join(r['documents'][:6])}"
+            f"{' ...' if len(r['documents']) > 6 else ''} ({r['split_rule']})\n"
+            f"  protocol: windows of {p['block_len']} tokens every {p['stride']}, {p['scored']}; BOS {p['bos']}"
+            f"\n  {r['seconds']:.1f} s")
+
+
+# ---- eval cost --------------------------------------------------------------------------------------
+
+def run_cost(args) -> dict:
+    import torch
+
+    from ..io import source_of
+    from ..measure.cost import compare_cost, measure_cost
+    from ..models import load_model
+
+    loaded = _load(args)
+    model = loaded.model
+    baseline = args.baseline or source_of(model)
+    vocab = getattr(model.config, "vocab_size", 256)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
+    kw = dict(repeats=args.repeats, memory=not args.no_memory)
+    if baseline:
+        base = load_model(baseline).model.to(device_of(args))
+        res = compare_cost(base, model, batch, **kw)
+        res["reference_model"] = baseline
+    else:
+        res = {"candidate": measure_cost(model, batch, **kw).as_dict(), "reference": None, "ratio": None}
+    res["model"] = loaded.source
+    return res
+
+
+def render_cost(r: dict) -> str:
+    keys = [("forward_s", "inference forward (s)"), ("forward_peak_bytes", "inference peak memory"),
+            ("train_forward_s", "train forward (s)"), ("backward_s", "backward (s)"), ("step_s", "train step (s)"),
+            ("step_peak_bytes", "train step peak memory"), ("backward_forward_ratio", "backward / forward")]
+    rows = []
+    for k, label in keys:
+        row = {"measure": label}
+        for side in ("reference", "candidate"):
+            v = (r.get(side) or {}).get(k)
+            row[side] = human_bytes(v) if "bytes" in k else (f"{v:.4g}" if v is not None else "-")
+        row["ratio"] = f"{r['ratio'][k]:.3f}" if r.get("ratio") and r["ratio"].get(k) is not None else "-"
+        rows.append(row)
+    head = f"cost of {r['model']}" + (f" vs {r['reference_model']}" if r.get("reference_model") else "")
+    c = r["candidate"]
+    return f"{head} on {c['device']}, batch {c['batch']}\n" + table(rows)
+
+
+# ---- eval acc ---------------------------------------------------------------------------------------
+
+def run_acc(args) -> dict:
+    from ..data import read_labelled
+    from ..measure.accuracy import accuracy, probe_accuracy
+
+    loaded = _load(args)
+    train = read_labelled(args.train)
+    test = read_labelled(args.test, classes=train.classes)
+    if args.max_train and len(train) > args.max_train:
+        train = train.sample(args.max_train, seed=0)
+    if args.max_test and len(test) > args.max_test:
+        test = test.sample(args.max_test, seed=0)
+    if type(loaded.model).__name__.endswith("ForSequenceClassification"):
+        acc = accuracy(loaded.model, loaded.require_tokenizer(), test, max_len=args.max_len, progress=not args.quiet)
+        res = {"accuracy": acc, "n_test": len(test), "method": "the model's classification head"}
+    else:
+        res = probe_accuracy(loaded.model, loaded.require_tokenizer(), train, test, max_len=args.max_len,
+                             progress=not args.quiet)
+    res.update(model=loaded.source, train=args.train, test=args.test, chance=1 / test.num_classes)
+    return res
+
+
+def render_acc(r: dict) -> str:
+    return (f"accuracy {r['accuracy']:.4f} on {r['n_test']} test examples of {r['test']} (chance {r['chance']:.3f})\n"
+            f"  {r['method']}; model {r['model']}")
+
+
+# ---- export / fetch ---------------------------------------------------------------------------------
+
+def run_export(args) -> dict:
+    from ..io import export
+
+    out = export(args.dir, args.out, overwrite=args.overwrite)
+    return {"exported": str(out), "from": args.dir}
+
+
+def run_fetch(args) -> dict:
+    from ..models import fetch
+
+    return fetch()
+
+
+# ---- demo -------------------------------------------------------------------------------------------
+
+def run_demo(args) -> dict:
+    """The main job on the bundled default: what the model is made of, how well it predicts held-out
+    Austen, and a proof that surgery through the sites layer is exact (every MLP swapped for an
+    equivalent module, saved, reloaded: identical logits)."""
+    import tempfile
+
+    import torch
+
+    from ..data import load_corpus
+    from ..io import load, save
+    from ..measure.cost import inspect
+    from ..measure.perplexity import perplexity
+    from ..modules.dense import DenseMLP
+    from ..sites import find_sites
+
+    t0 = time.perf_counter()
+    loaded = _load(args)
+    model, tok = loaded.model, loaded.tokenizer
+    info = inspect(model)
+    corpus = load_corpus(None, tok)
+    ppl = perplexity(model, corpus.heldout, block_len=args.block_len, max_tokens=args.max_tokens or None,
+                     progress=not args.quiet)
+    probe = corpus.blocks("heldout", 64, max_blocks=2)
+    with torch.no_grad():
+        before = model(input_ids=probe).logits
+    for site in find_sites(model).mlp:
+        site.replace_mlp(DenseMLP.from_weights(site.read()))
+    with torch.no_grad():
+        after = model(input_ids=probe).logits
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, f"{tmp}/m")
+        with torch.no_grad():
+            reloaded = load(f"{tmp}/m")(input_ids=probe).logits
+    return {
+        "model": loaded.source, "architecture": info["architecture"], "layers": info["layers"],
+        "mlp_param_share": info["param_share"]["mlp"], "mlp_flop_share": info["flop_share"]["mlp"],
+        "params": info["params"]["total"],
+        "heldout": {"documents": corpus.heldout_names, "ppl": ppl.ppl, "tokens": ppl.tokens,
+                    "protocol": ppl.protocol},
+        "surgery_max_abs_logit_change": float((after - before).abs().max()),
+        "save_load_max_abs_logit_change": float((reloaded - before).abs().max()),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def render_demo(r: dict) -> str:
+    h = r["heldout"]
+    return "\n".join([
+        f"{r['model']}: {r['architecture']}, {r['layers']} layers, {human_count(r['params'])} parameters; "
+        f"the MLPs hold {r['mlp_param_share']:.1%} of the parameters and {r['mlp_flop_share']:.1%} of the "
+        "forward FLOPs per token",
+        f"held-out perplexity on {', '.join(h['documents'])} (held out from every split mlpsurgery trains on): {h['ppl']:.3f} over "
+        f"{h['tokens']} tokens (windows of {h['protocol']['block_len']})",
+        f"every MLP swapped for an equivalent module through the sites layer: max |logit change| "
+        f"{r['surgery_max_abs_logit_change']:.2e}",
+        f"saved and reloaded with strict keys: max |logit change| {r['save_load_max_abs_logit_change']:.2e}",
+        f"({r['seconds']:.0f} s)",
+    ])
+
+
+def register(sub, groups) -> None:
+    p = command(sub, "inspect", run_inspect, render_inspect,
+                "architecture, sites, MLP inner width, and the parameter / FLOP shares of MLPs, attention, embeddings")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--context", type=int, default=512, help="sequence length for attention-score FLOPs (512)")
+
+    p = command(groups["eval"], "ppl", run_ppl, render_ppl, "token-level perplexity on held-out (or training) text")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--data", help="text file, folder of .txt, or a bundled corpus: austen (default), r8")
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    p.add_argument("--block-len", type=int, default=512, help="window length in tokens (512)")
+    p.add_argument("--stride", type=int, help="window stride (default: block length - 1: windows share one token of context)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, help="score only about this many tokens (default: all)")
+
+    p = command(groups["eval"], "cost", run_cost, render_cost,
+                "wall time and peak memory of inference and of one training step; ratios against a baseline")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--baseline", help="reference model (default: the model a saved folder was made from)")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory passes")
+
+    p = command(groups["eval"], "acc", run_acc, render_acc,
+                "classification accuracy: the model's head, or a linear probe on its embeddings")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--train", default="r8-train", help="labelled training set (.tab/.csv/.jsonl or r8-train)")
+    p.add_argument("--test", default="r8-test", help="labelled test set (.tab/.csv/.jsonl or r8-test)")
+    p.add_argument("--max-train", type=int, default=2000)
+    p.add_argument("--max-test", type=int, default=1000)
+    p.add_argument("--max-len", type=int, default=128)
+
+    p = command(sub, "export", run_export, lambda r: f"wrote {r['exported']} (loads with transformers' from_pretrained)",
+                "write a plain transformers folder, where the structure allows")
+    p.add_argument("dir", help="a folder saved by mlpsurgery")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true")
+
+    command(sub, "fetch", run_fetch, lambda r: "\n".join(f"{k}: {v}" for k, v in r.items()),
+            "cache the bundled models (SmolLM2 de-quantised to safetensors; MiniLM located)")
+
+    p = command(sub, "demo", run_demo, render_demo,
+                "the main job on the bundled default: inspect SmolLM2, held-out perplexity, exact surgery round trip")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--block-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens to score (8192; 0 = all)")

@@ -1,0 +1,332 @@
+"""Save, load and export models that went through surgery.
+
+A saved folder holds:
+    config.json          the base model's config (a stock transformers config)
+    model.safetensors    every tensor (shared / tied tensors stored once)
+    surgery.json         the manifest: format version, library version, model class, the modules that
+                         differ from the stock architecture (path, class, constructor config), the
+                         history of methods applied (name, config, provenance: data, seed, steps), the
+                         source model, and a SHA-256 of model.safetensors
+    tokenizer files      when a tokenizer was given
+
+`load` rebuilds the stock model from config.json, replays the module replacements from the manifest
+(only classes in the module registry can be named: an allowlist), then loads the weights with strict
+key checking: a missing or unexpected tensor is an error, never a silently random layer.
+`export` writes a folder that plain `AutoModel*.from_pretrained` loads, where the structure allows.
+All writes go to a temporary sibling folder that is renamed into place, so a crash leaves no half model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model as st_load_model
+from safetensors.torch import save_model as st_save_model
+from torch import nn
+
+from . import __version__
+from .errors import IntegrityError, MLPSurgeryError, NotExportableError
+from .modules import MODULES, build, module_config
+
+FORMAT = "mlpsurgery"
+FORMAT_VERSION = 1
+MANIFEST = "surgery.json"
+WEIGHTS = "model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic folders
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path, overwrite: bool = False):
+    """Yield a temporary folder beside `out`; on success it replaces `out`, on error it is removed."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        if not out.is_dir() or any(out.iterdir()):
+            raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Structure diff against the stock architecture
+
+
+def _stock(config, model_class: str) -> nn.Module:
+    import transformers
+
+    klass = getattr(transformers, model_class, None)
+    if klass is None or not isinstance(klass, type) or not issubclass(klass, transformers.PreTrainedModel):
+        raise IntegrityError(f"the manifest names model class {model_class!r}, which transformers does not have")
+    with torch.device("meta"):
+        return klass._from_config(config)
+
+
+def _own_shapes(mod: nn.Module) -> dict[str, tuple]:
+    return {n: tuple(p.shape) for n, p in mod.named_parameters(recurse=False)}
+
+
+def replaced_modules(model: nn.Module) -> list[dict[str, Any]]:
+    """Modules whose class (or own parameter shapes) differ from the stock architecture at the same path
+    (outermost only): what `load` must rebuild before the weights fit."""
+    stock = dict(_stock(model.config, type(model).__name__).named_modules())
+    out, covered = [], []
+    for path, mod in model.named_modules():
+        if any(path.startswith(c + ".") for c in covered):
+            continue
+        ref = stock.get(path)
+        if ref is not None and type(ref) is type(mod) and _own_shapes(ref) == _own_shapes(mod):
+            continue
+        name = type(mod).__name__
+        if MODULES.get(name) is not type(mod):
+            raise MLPSurgeryError(
+                f"{path} is a {name}, which is not a registered mlpsurgery module; register it with "
+                "@mlpsurgery.modules.register (and give it config()/from_config) so it can be saved and rebuilt")
+        out.append({"path": path, "class": name, "config": module_config(mod)})
+        covered.append(path)
+    return out
+
+
+def history(model: nn.Module) -> list[dict]:
+    """The list of methods applied to this model (kept on the model between calls)."""
+    return list(getattr(model, "_mlpsurgery_history", []))
+
+
+def record(model: nn.Module, method: str, config: dict | None = None, **provenance) -> None:
+    """Append one method application to the model's history (saved in the manifest)."""
+    hist = getattr(model, "_mlpsurgery_history", [])
+    hist.append({"method": method, "config": config or {}, "provenance": provenance})
+    model._mlpsurgery_history = hist
+
+
+def source_of(model: nn.Module) -> str | None:
+    return getattr(model, "_mlpsurgery_source", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Save / load
+
+
+def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
+         extra: dict | None = None) -> Path:
+    """Write `model` (with any surgery) to folder `out` atomically. Returns the folder."""
+    if not hasattr(model, "config"):
+        raise MLPSurgeryError("save() needs a transformers model (with .config); for plain PyTorch models use "
+                              "safetensors.torch.save_model")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+        "model_class": type(model).__name__, "model_type": model.config.model_type,
+        "source": source_of(model), "modules": replaced_modules(model), "history": history(model),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    if extra:
+        manifest["extra"] = extra
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        model.config.save_pretrained(tmp)
+        st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        manifest["weights_sha256"] = sha256_file(tmp / WEIGHTS)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(out)
+
+
+def read_manifest(folder: str | Path) -> dict:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not folder.exists():
+        raise MLPSurgeryError(f"{folder} does not exist")
+    if not path.exists():
+        raise MLPSurgeryError(f"{folder} has no {MANIFEST}: it was not written by mlpsurgery.save "
+                              "(a plain transformers folder loads with from_pretrained)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise IntegrityError(f"{path} is corrupted (not valid JSON: {e.msg} at line {e.lineno}); restore it from "
+                             "the original save or save the model again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise IntegrityError(f"{path} is not an mlpsurgery manifest (no \"format\": \"{FORMAT}\")")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise IntegrityError(f"{path} has format version {manifest['format_version']}; this mlpsurgery reads up to "
+                             f"{FORMAT_VERSION}: upgrade mlpsurgery")
+    for key in ("model_class", "modules", "weights_sha256"):
+        if key not in manifest:
+            raise IntegrityError(f"{path} lacks {key!r}: the manifest is incomplete or was edited")
+    return manifest
+
+
+def rebuild(config, model_class: str, modules: list[dict]) -> nn.Module:
+    """The stock model with the manifest's module replacements, weights uninitialised."""
+    import transformers
+
+    klass = getattr(transformers, model_class, None)
+    if klass is None or not isinstance(klass, type) or not issubclass(klass, transformers.PreTrainedModel):
+        raise IntegrityError(f"the manifest names model class {model_class!r}, which transformers does not have")
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        model = klass._from_config(config)
+    model.tie_weights()  # no_init_weights also skips the tying that init would do
+    for entry in modules:
+        try:
+            parent, _, name = entry["path"].rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            getattr(owner, name)
+        except (AttributeError, KeyError, TypeError):
+            raise IntegrityError(f"the manifest replaces {entry.get('path')!r}, which this model does not have") from None
+        setattr(owner, name, build(entry["class"], entry.get("config", {})))
+    return model
+
+
+def load(folder: str | Path, verify: bool = True) -> nn.Module:
+    """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    weights = folder / WEIGHTS
+    if not weights.exists():
+        raise IntegrityError(f"{folder} has no {WEIGHTS}; the save was incomplete")
+    if verify and sha256_file(weights) != manifest["weights_sha256"]:
+        raise IntegrityError(f"{weights} does not match the checksum in {MANIFEST}: the file was modified or "
+                             "truncated")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    model = rebuild(config, manifest["model_class"], manifest["modules"])
+    dtype = getattr(torch, manifest.get("dtype", "float32"))
+    model.to(dtype)
+    try:
+        missing, unexpected = st_load_model(model, str(weights), strict=False)
+    except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
+        raise IntegrityError(f"{weights} could not be loaded into the rebuilt model: {e}") from None
+    if missing or unexpected:
+        raise IntegrityError(f"{weights} does not fit the structure in {MANIFEST}: missing {sorted(missing)[:8]}, "
+                             f"unexpected {sorted(unexpected)[:8]}")
+    model._mlpsurgery_history = manifest.get("history", [])
+    model._mlpsurgery_source = manifest.get("source")
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Export to stock transformers
+
+
+def to_stock(model: nn.Module) -> nn.Module:
+    """A stock `transformers` model computing the same function, where the structure allows.
+
+    Replaced MLPs fold into dense MLPs (their `to_mlp_weights()`); their inner widths must be equal, and
+    the config's intermediate size becomes that width. Anything else raises NotExportableError with why.
+    """
+    from .sites import find_sites
+
+    entries = replaced_modules(model)
+    if not entries:
+        return model
+    sites = find_sites(model)
+    folded: dict[int, Any] = {}
+    by_path = {e["path"]: e for e in entries}
+    for s in sites.mlp:
+        if not s.replaced:
+            continue
+        mods = [m for m in s.modules() if not isinstance(m, nn.Identity) and any(True for _ in m.parameters())]
+        if len(mods) != 1 or not hasattr(mods[0], "to_mlp_weights"):
+            raise NotExportableError(f"layer {s.index}: the MLP was replaced by "
+                                     f"{', '.join(type(m).__name__ for m in mods)}, which has no stock equivalent")
+        w = mods[0].to_mlp_weights()
+        if w is None:
+            raise NotExportableError(f"layer {s.index}: {mods[0].export_blocker()}; load it with mlpsurgery.load")
+        folded[s.index] = w
+    path_of = {id(mod): p for p, mod in model.named_modules()}
+    mlp_paths = {path_of[id(m)] for s in sites.mlp for m in s.modules()}
+    other = [p for p in by_path if not any(p == m or p.startswith(m + ".") for m in mlp_paths)]
+    if other:
+        raise NotExportableError(
+            f"{', '.join(p + ' (' + by_path[p]['class'] + ')' for p in other[:4])} replaced outside the MLPs (or by "
+            "something other than a foldable MLP): no stock architecture holds this structure; load it with "
+            "mlpsurgery.load")
+    widths = {w.h for w in folded.values()}
+    untouched = {s.h for s in sites.mlp if not s.replaced}
+    if len(widths | untouched) > 1:
+        raise NotExportableError(
+            f"MLP inner widths differ across layers ({sorted(widths | untouched)}); a stock config has one "
+            "intermediate size. Compress every layer to the same width, or load it with mlpsurgery.load")
+    h = widths.pop()
+    config = copy_config(model.config)
+    key = "n_inner" if config.model_type == "gpt2" else "ffn_dim" if config.model_type == "opt" else "intermediate_size"
+    setattr(config, key, h)
+    import transformers
+
+    stock = getattr(transformers, type(model).__name__)._from_config(config).to(next(model.parameters()).dtype)
+    src_state = {k: v for k, v in model.state_dict().items()}
+    dst_state = stock.state_dict()
+    new_sites = find_sites(stock)
+    mlp_prefixes = [p + "." for p in mlp_paths]
+    with torch.no_grad():
+        for k, v in dst_state.items():
+            if k in src_state and not any(k.startswith(pfx) for pfx in mlp_prefixes):
+                v.copy_(src_state[k])
+    for s in sites.mlp:
+        new_sites.mlp[s.index].write(folded[s.index] if s.index in folded else s.read())
+    stock.eval()
+    return stock
+
+
+def copy_config(config):
+    return type(config).from_dict(config.to_dict())
+
+
+def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
+    """Write a plain transformers folder (config.json + model.safetensors) loadable with from_pretrained."""
+    if isinstance(src, (str, Path)):
+        folder = Path(src)
+        model = load(folder)
+        if tokenizer is None:
+            with contextlib.suppress(Exception):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    else:
+        model = src
+    stock = to_stock(model)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        stock.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(out)

@@ -1,0 +1,91 @@
+"""Tiny random models of every supported architecture, built from configs (no downloads).
+
+They exist so that tests, examples and dry runs of the CLI (`mlpsurgery inspect tiny:llama`)
+exercise the real `transformers` classes of each architecture in milliseconds. Every tiny model
+shares one byte-level tokenizer (256 byte tokens + 4 specials), so real text runs through them.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as T
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
+PAD, BOS, EOS, UNK = 256, 257, 258, 259
+
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt")
+ENCODERS = ("bert", "roberta")
+ARCHITECTURES = DECODERS + ENCODERS
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel.alphabet() is the 256 printable stand-ins for bytes, in no particular order;
+    # sort them so token ids are stable across runs.
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    specials = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": UNK}
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.model_max_length = 1 << 20
+    return fast
+
+
+def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
+    """A config of `arch` with width 32, MLP width 64, 2 layers, 4 heads (2 KV groups where GQA exists)."""
+    ids = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=128, **ids)
+    if arch == "gpt2":
+        cfg = T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=128,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
+    elif arch == "opt":
+        cfg = T.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                          max_position_embeddings=128, word_embed_proj_dim=32, dropout=0.0, **ids)
+    elif arch in ("bert", "roberta"):
+        klass = T.BertConfig if arch == "bert" else T.RobertaConfig
+        kw = dict(common)
+        if arch == "roberta":
+            # RoBERTa numbers positions from pad_token_id + 1, so the table must reach past the pad id.
+            kw["max_position_embeddings"] = PAD + 2 + 256
+        cfg = klass(**kw, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, type_vocab_size=2)
+    elif arch == "gpt_neox":
+        cfg = T.GPTNeoXConfig(**common, hidden_dropout=0.0, attention_dropout=0.0)
+    else:
+        klass = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
+                 "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
+                 "phi3": T.Phi3Config}.get(arch)
+        if klass is None:
+            raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
+        kw = dict(common, num_key_value_heads=2)
+        if arch in ("gemma", "gemma2", "gemma3_text", "qwen3"):
+            kw["head_dim"] = 8
+        if arch == "qwen2":
+            kw["use_sliding_window"] = False
+        cfg = klass(**kw)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str, seed: int = 0, task: str = "auto", **overrides) -> T.PreTrainedModel:
+    """A randomly initialised tiny model (eval mode). task: auto | causal-lm | encoder | classifier."""
+    cfg = tiny_config(arch, **overrides)
+    if task == "auto":
+        task = "encoder" if arch in ENCODERS else "causal-lm"
+    klass = {"causal-lm": T.AutoModelForCausalLM, "encoder": T.AutoModel,
+             "classifier": T.AutoModelForSequenceClassification}[task]
+    torch.manual_seed(seed)
+    model = klass.from_config(cfg)
+    # Random init gives norms weight 1 (or 0 for Gemma's 1+w); perturb every parameter so that
+    # tests of "identical logits" cannot pass through a symmetric or degenerate init.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.eval()

@@ -1,0 +1,246 @@
+"""The shared fitting loop: AdamW, cosine schedule with linear warm-up, gradient-norm clipping, a
+progress bar, loss history against steps and wall-clock, and checkpoint / resume.
+
+Resumability rests on one rule: the batch of step t is a pure function of (seed, t) (see `step_rng`),
+so a run killed at any point and resumed from its last checkpoint replays exactly the steps an
+uninterrupted run would have taken. A checkpoint holds the trainable tensors, the optimizer and
+schedule state, the RNG state (dropout) and the history, in safetensors + JSON (never pickle), written
+atomically; Ctrl-C writes one before stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .errors import IntegrityError, MLPSurgeryError
+
+
+@dataclass
+class FitConfig:
+    steps: int = 100
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of steps of linear warm-up
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    clip: float | None = 1.0  # gradient-norm clip; None disables
+    betas: tuple[float, float] = (0.9, 0.999)
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 50
+    extra: dict = field(default_factory=dict)  # method-specific settings recorded with the run
+
+
+def step_rng(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """The generator for step `step`: data sampling that uses it is identical on resume."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + stream)
+
+
+def lr_factor(cfg: FitConfig, step: int) -> float:
+    warm = max(1, int(round(cfg.warmup * cfg.steps))) if cfg.warmup > 0 else 0
+    if step < warm:
+        return (step + 1) / warm
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _flatten(obj, prefix: str, tensors: dict[str, Tensor]):
+    """JSON skeleton of a nested structure, its tensors moved into `tensors` under dotted names."""
+    if isinstance(obj, Tensor):
+        tensors[prefix] = obj.detach().cpu().contiguous()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        return {"__dict__": [[_flatten(k, f"{prefix}.k{i}", tensors), _flatten(v, f"{prefix}.{i}", tensors)]
+                             for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)],
+                "tuple": isinstance(obj, tuple)}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": repr(obj)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+
+
+def _unflatten(obj, tensors: dict[str, Tensor]):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            items = [_unflatten(v, tensors) for v in obj["__list__"]]
+            return tuple(items) if obj.get("tuple") else items
+        if "__float__" in obj:
+            return float(obj["__float__"])
+    return obj
+
+
+def save_checkpoint(folder: str | Path, state: dict) -> None:
+    """Write a nested dict of tensors and JSON values to folder/{state.json, tensors.safetensors}, atomically."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Tensor] = {}
+    skeleton = _flatten(state, "s", tensors)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "tensors.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(skeleton))
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(folder: str | Path) -> dict | None:
+    """The state written by save_checkpoint, or None if there is none."""
+    folder = Path(folder)
+    if not (folder / "state.json").exists():
+        return None
+    try:
+        skeleton = json.loads((folder / "state.json").read_text())
+        tensors = load_file(str(folder / "tensors.safetensors"))
+    except Exception as e:
+        raise IntegrityError(f"checkpoint {folder} is corrupted ({e}); delete it to start over") from None
+    return _unflatten(skeleton, tensors)
+
+
+def rng_state() -> dict:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class FitResult:
+    history: list[dict]  # {"step", "loss", "lr", "time_s", plus whatever loss_fn reported}
+    steps: int
+    resumed_from: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple[Tensor, dict]], cfg: FitConfig,
+        checkpoint_dir: str | Path | None = None, progress: bool = True, desc: str = "train",
+        optimizer_groups: list[dict] | None = None,
+        on_checkpoint: Callable[[dict], None] | None = None,
+        on_resume: Callable[[dict], None] | None = None) -> FitResult:
+    """Minimise loss_fn(step) over `params` (name -> parameter) for cfg.steps steps.
+
+    loss_fn(step) returns the loss (or (loss, metrics)); it must draw its batch with step_rng(seed, step)
+    so that a resumed run is identical to an uninterrupted one. optimizer_groups: extra AdamW param groups
+    (dicts with "params" as names and their own "lr"/"weight_decay"). Checkpoints go to checkpoint_dir every
+    cfg.checkpoint_every steps, at the end, and on Ctrl-C; a later call with the same folder resumes.
+    on_checkpoint / on_resume let the caller save and restore extra state (e.g. learned scalars).
+    """
+    if cfg.steps < 0:
+        raise MLPSurgeryError(f"steps must be >= 0, not {cfg.steps}")
+    names = list(params)
+    grouped = set()
+    groups = []
+    for g in optimizer_groups or []:
+        gnames = list(g["params"])
+        grouped.update(gnames)
+        groups.append({**g, "params": [params[n] for n in gnames]})
+    rest = [params[n] for n in names if n not in grouped]
+    if rest:
+        groups.insert(0, {"params": rest})
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    history: list[dict] = []
+    start, elapsed = 0, 0.0
+    ckpt = Path(checkpoint_dir) if checkpoint_dir else None
+    state = load_checkpoint(ckpt) if ckpt else None
+    if state is not None:
+        if state.get("names") != names:
+            raise MLPSurgeryError(f"checkpoint {ckpt} was written for other parameters; delete it or use another folder")
+        if state.get("total_steps") != cfg.steps:
+            raise MLPSurgeryError(f"checkpoint {ckpt} belongs to a run of {state.get('total_steps')} steps, not "
+                                  f"{cfg.steps}; resume with the same settings or delete it")
+        with torch.no_grad():
+            for n in names:
+                params[n].copy_(state["params"][n])
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        history, start, elapsed = state["history"], state["step"], state["seconds"]
+        if on_resume is not None:
+            on_resume(state.get("extra", {}))
+
+    def write(step: int, seconds: float):
+        if ckpt is None:
+            return
+        extra: dict = {}
+        if on_checkpoint is not None:
+            on_checkpoint(extra)
+        save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
+                               "params": {n: params[n].detach() for n in names}, "optimizer": opt.state_dict(),
+                               "rng": rng_state(), "history": history, "config": asdict(cfg), "extra": extra})
+
+    t0 = time.perf_counter() - elapsed
+    step = start
+    bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", disable=not progress)
+    try:
+        for step in range(start, cfg.steps):
+            f = lr_factor(cfg, step)
+            for g, lr in zip(opt.param_groups, base_lrs):
+                g["lr"] = lr * f
+            out = loss_fn(step)
+            loss, metrics = out if isinstance(out, tuple) else (out, {})
+            if not torch.isfinite(loss):
+                raise MLPSurgeryError(f"{desc}: loss became {loss.item()} at step {step}; lower the learning rate")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.clip:
+                gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.clip)
+                metrics.setdefault("grad_norm", float(gn))
+            opt.step()
+            rec = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"],
+                   "time_s": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}}
+            history.append(rec)
+            bar.update(1)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                bar.set_postfix(loss=f"{rec['loss']:.4g}")
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                write(step + 1, time.perf_counter() - t0)
+        step = cfg.steps
+    except KeyboardInterrupt:
+        write(len(history) and history[-1]["step"], time.perf_counter() - t0)
+        bar.close()
+        raise
+    bar.close()
+    seconds = time.perf_counter() - t0
+    write(cfg.steps, seconds)
+    return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds)

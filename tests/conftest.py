@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny models of every architecture (built from configs, offline, seeded), the byte
+tokenizer, and the real models (SmolLM2, MiniLM) that skip when not installed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlpsurgery.tiny import ARCHITECTURES, DECODERS, ENCODERS, byte_tokenizer, tiny_model
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife. However little known the feelings or views of such a man may be.")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def ids(tokenizer):
+    return torch.tensor([tokenizer(TEXT)["input_ids"][:48], tokenizer(TEXT)["input_ids"][48:96]])
+
+
+def outputs(model, ids):
+    """Logits of a causal LM, last hidden state of an encoder."""
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(params=DECODERS)
+def decoder_arch(request):
+    return request.param
+
+
+@pytest.fixture
+def model(arch):
+    return tiny_model(arch)
+
+
+def _smollm2():
+    from mlpsurgery.models import load_model, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed (bash install.sh)")
+    return load_model("smollm2")
+
+
+def _minilm():
+    from mlpsurgery.models import load_model, minilm_dir
+
+    if minilm_dir() is None:
+        pytest.skip("MiniLM is not installed (bash install.sh)")
+    return load_model("minilm")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return _smollm2()
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    return _minilm()
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    if not SHARED.exists():
+        pytest.skip("../shared/data is not beside the checkout")
+    return SHARED

@@ -1,0 +1,142 @@
+import json
+
+import pytest
+import torch
+import transformers as T
+
+from conftest import outputs
+from mlpsurgery.errors import IntegrityError, MLPSurgeryError, NotExportableError
+from mlpsurgery.io import export, load, read_manifest, record, save
+from mlpsurgery.modules.dense import DenseMLP
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import tiny_model
+
+
+def test_save_load_identical(model, ids, tmp_path):
+    ref = outputs(model, ids)
+    save(model, tmp_path / "m")
+    again = load(tmp_path / "m")
+    assert type(again) is type(model)
+    assert torch.equal(outputs(again, ids), ref)
+
+
+def test_save_load_replaced_structure(arch, ids, tmp_path):
+    model = tiny_model(arch)
+    sites = find_sites(model)
+    sites.mlp[0].replace_mlp(DenseMLP.from_weights(sites.mlp[0].read().select(torch.arange(0, 64, 2))))
+    sites.mlp[1].write(sites.mlp[1].read().select(torch.arange(40)))  # resized stock linears
+    record(model, "test", {"note": "half the neurons"}, seed=0)
+    ref = outputs(model, ids)
+    save(model, tmp_path / "m")
+    manifest = read_manifest(tmp_path / "m")
+    classes = {e["class"] for e in manifest["modules"]}
+    assert "DenseMLP" in classes
+    assert manifest["history"][0]["method"] == "test"
+    again = load(tmp_path / "m")
+    assert torch.equal(outputs(again, ids), ref)
+
+
+def test_export_untouched_loads_in_plain_transformers(model, ids, tmp_path):
+    ref = outputs(model, ids)
+    save(model, tmp_path / "m")
+    export(tmp_path / "m", tmp_path / "hf")
+    klass = type(model)
+    plain, info = klass.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(outputs(plain.eval(), ids), ref)
+
+
+def test_export_uniform_smaller_mlps(arch, ids, tmp_path):
+    model = tiny_model(arch)
+    keep = torch.arange(0, 64, 4)
+    for s in find_sites(model).mlp:
+        s.replace_mlp(DenseMLP.from_weights(s.read().select(keep)))
+    ref = outputs(model, ids)
+    save(model, tmp_path / "m")
+    export(tmp_path / "m", tmp_path / "hf")
+    plain, info = type(model).from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert find_sites(plain).mlp[0].h == len(keep)
+    torch.testing.assert_close(outputs(plain.eval(), ids), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_mixed_widths_and_writes_nothing(tmp_path):
+    model = tiny_model("llama")
+    s = find_sites(model).mlp[0]
+    s.replace_mlp(DenseMLP.from_weights(s.read().select(torch.arange(10))))
+    save(model, tmp_path / "m")
+    with pytest.raises(NotExportableError, match="widths differ"):
+        export(tmp_path / "m", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_corrupted_manifest_is_refused(tmp_path):
+    save(tiny_model("gpt2"), tmp_path / "m")
+    (tmp_path / "m" / "surgery.json").write_text('{"format": "mlpsurgery", "modules": [')
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        load(tmp_path / "m")
+    (tmp_path / "m" / "surgery.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(IntegrityError, match="not an mlpsurgery manifest"):
+        load(tmp_path / "m")
+
+
+def test_unknown_module_class_in_manifest_is_refused(tmp_path):
+    save(tiny_model("llama"), tmp_path / "m")
+    path = tmp_path / "m" / "surgery.json"
+    m = json.loads(path.read_text())
+    m["modules"] = [{"path": "model.layers.0.mlp", "class": "os.system", "config": {}}]
+    path.write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match="does not know"):
+        load(tmp_path / "m")
+
+
+def test_tampered_weights_are_refused(tmp_path):
+    save(tiny_model("llama"), tmp_path / "m")
+    w = tmp_path / "m" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="checksum"):
+        load(tmp_path / "m")
+
+
+def test_missing_weight_is_a_strict_error(tmp_path):
+    """A manifest that does not match the tensors (here: a replacement erased) fails loudly."""
+    model = tiny_model("llama")
+    s = find_sites(model).mlp[0]
+    s.replace_mlp(DenseMLP.from_weights(s.read()))
+    save(model, tmp_path / "m")
+    path = tmp_path / "m" / "surgery.json"
+    m = json.loads(path.read_text())
+    m["modules"] = []
+    path.write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match="does not fit"):
+        load(tmp_path / "m")
+
+
+def test_save_refuses_non_empty_target_and_is_atomic(tmp_path, monkeypatch):
+    model = tiny_model("gpt2")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    with pytest.raises(MLPSurgeryError, match="not empty"):
+        save(model, tmp_path / "busy")
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+
+    import mlpsurgery.io as io_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(io_mod, "st_save_model", boom)
+    with pytest.raises(RuntimeError):
+        save(model, tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+
+
+def test_loading_a_plain_folder_names_the_problem(tmp_path):
+    tiny_model("gpt2").save_pretrained(tmp_path / "hf")
+    with pytest.raises(MLPSurgeryError, match="no surgery.json"):
+        load(tmp_path / "hf")
+    with pytest.raises(MLPSurgeryError, match="does not exist"):
+        load(tmp_path / "nope")

@@ -1,0 +1,108 @@
+import math
+
+import pytest
+import torch
+
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
+from mlpsurgery.measure.perplexity import _windows, perplexity
+from mlpsurgery.modules.dense import DenseMLP
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import tiny_model
+
+
+@pytest.mark.parametrize("n,block,stride", [(100, 16, 15), (100, 16, 5), (10, 16, 15), (33, 8, 3), (17, 17, 16),
+                                            (1000, 64, None)])
+def test_every_token_but_the_first_is_scored_once(n, block, stride):
+    scored = []
+    for doc, start, first, end in _windows([n], block, stride or block - 1):
+        assert end - start <= block and start < first <= end
+        scored += list(range(first, end))
+    assert scored == list(range(1, n))
+
+
+def test_perplexity_equals_direct_computation():
+    model = tiny_model("llama")
+    seq = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1], -1)
+    nll = -logp.gather(-1, seq[1:, None]).mean().item()
+    r = perplexity(model, [seq], block_len=40, progress=False)
+    assert r.tokens == 39 and r.ppl == pytest.approx(math.exp(nll), rel=1e-5)
+    # overlapping windows give every token at least as much context: same count
+    r2 = perplexity(model, [seq], block_len=16, stride=4, progress=False)
+    assert r2.tokens == 39
+
+
+def test_perplexity_refuses_an_encoder():
+    with pytest.raises(MLPSurgeryError, match="causal language model"):
+        perplexity(tiny_model("bert"), [torch.arange(10)], progress=False)
+
+
+def test_param_counts_partition_the_model(model):
+    c = count_params(model)
+    assert c["embeddings"] + c["attention"] + c["mlp"] + c["head"] + c["other"] == c["total"]
+    assert c["mlp"] == sum(r["mlp"] for r in c["per_layer"])
+    assert c["mlp"] == sum(p.numel() for s in find_sites(model).mlp for p in s.parameters())
+
+
+def test_flops_formula_llama():
+    m = tiny_model("llama")
+    f = flops_per_token(m, context=64)
+    d, h, L, V = 32, 64, 2, 260
+    assert f["mlp"] == L * 2 * 3 * d * h
+    assert f["attention_proj"] == L * 2 * (d * d + 2 * d * 16 + d * d)  # 2 KV groups of head_dim 8
+    assert f["attention_scores"] == L * int(4 * 4 * 8 * 32.5)
+    assert f["head"] == 2 * d * V
+    info = inspect(m)
+    assert info["mlp_inner_width"] == 64 and info["kv_groups"] == 2
+    assert sum(info["flop_share"].values()) == pytest.approx(1.0)
+
+
+def test_cost_probe_leaves_weights_untouched():
+    m = tiny_model("llama")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    batch = torch.randint(0, 256, (2, 16))
+    c = measure_cost(m, batch, repeats=2)
+    assert c.step_s > 0 and c.forward_s > 0 and c.step_peak_bytes > c.forward_peak_bytes > 0
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_peak_memory_counts_weights_grads_and_adam_state():
+    m = tiny_model("gpt2")
+    n = sum(p.numel() for p in m.parameters())
+    c = measure_cost(m, torch.randint(0, 256, (1, 8)), repeats=1)
+    assert c.step_peak_bytes >= 4 * 4 * n  # weights + grads + two Adam moments, fp32
+
+
+def test_compare_identical_models_memory_ratio_is_one():
+    a, b = tiny_model("qwen3"), tiny_model("qwen3")
+    r = compare_cost(a, b, torch.randint(0, 256, (2, 16)), repeats=1)
+    assert r["ratio"]["step_peak_bytes"] == pytest.approx(1.0)
+    assert r["ratio"]["forward_peak_bytes"] == pytest.approx(1.0)
+
+
+def test_bigger_mlps_cost_more_memory():
+    small, big = tiny_model("llama"), tiny_model("llama", intermediate_size=512)
+    batch = torch.randint(0, 256, (2, 32))
+    r = compare_cost(small, big, batch, repeats=1)
+    assert r["ratio"]["step_peak_bytes"] > 1.5
+
+
+def test_max_batch_is_affine_and_consistent():
+    m = tiny_model("llama")
+    one = measure_cost(m, torch.randint(0, 256, (1, 32)), repeats=1).step_peak_bytes
+    r = max_batch(m, 32, budget_bytes=one * 3)
+    assert r["max_batch"] >= 2
+    at = measure_cost(m, torch.randint(0, 256, (r["max_batch"], 32)), repeats=1).step_peak_bytes
+    assert at <= one * 3 * 1.02
+
+
+def test_flops_follow_replaced_modules():
+    m = tiny_model("llama")
+    before = flops_per_token(m)["mlp"]
+    for s in find_sites(m).mlp:
+        s.replace_mlp(DenseMLP.from_weights(s.read().select(torch.arange(16))))
+    assert flops_per_token(m)["mlp"] == before // 4

@@ -1,0 +1,82 @@
+import pytest
+import torch
+from torch import nn
+
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.train import FitConfig, fit, load_checkpoint, lr_factor, save_checkpoint, step_rng
+
+
+def problem(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    w_true = torch.randn(8, 1, generator=torch.Generator().manual_seed(123))  # the data, not the init
+
+    def loss_fn(step):
+        g = step_rng(0, step)
+        x = torch.randn(32, 8, generator=g)
+        drop = torch.nn.functional.dropout(net(x), 0.1)  # uses the global RNG: checkpointed too
+        return (drop - x @ w_true).pow(2).mean()
+
+    return net, loss_fn
+
+
+def test_fit_lowers_the_loss():
+    net, loss_fn = problem()
+    r = fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=200, lr=1e-2), progress=False)
+    assert r.history[-1]["loss"] < 0.3 * r.history[0]["loss"]
+    assert [h["step"] for h in r.history] == list(range(1, 201))
+
+
+def test_resume_after_interruption_equals_uninterrupted(tmp_path):
+    cfg = FitConfig(steps=30, lr=1e-2, checkpoint_every=7)
+    net_a, loss_a = problem()
+    fit(dict(net_a.named_parameters()), loss_a, cfg, progress=False)
+
+    net_b, loss_b = problem()
+
+    def crashing(step):
+        if step == 17:
+            raise KeyboardInterrupt
+        return loss_b(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(dict(net_b.named_parameters()), crashing, cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    assert load_checkpoint(tmp_path / "ck")["step"] == 17
+    net_c, loss_c = problem(seed=5)  # a fresh process: different init, restored from the checkpoint
+    r = fit(dict(net_c.named_parameters()), loss_c, cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    assert r.resumed_from == 17 and len(r.history) == 30
+    for pa, pc in zip(net_a.parameters(), net_c.parameters()):
+        assert torch.equal(pa, pc)
+    # a finished run is not recomputed
+    net_d, loss_d = problem(seed=9)
+    r = fit(dict(net_d.named_parameters()), lambda s: 1 / 0, cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    assert r.resumed_from == 30
+
+
+def test_checkpoint_for_other_settings_is_refused(tmp_path):
+    net, loss_fn = problem()
+    fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=3), checkpoint_dir=tmp_path / "ck", progress=False)
+    with pytest.raises(MLPSurgeryError, match="3 steps"):
+        fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=4), checkpoint_dir=tmp_path / "ck", progress=False)
+
+
+def test_nonfinite_loss_is_reported():
+    net, _ = problem()
+    with pytest.raises(MLPSurgeryError, match="learning rate"):
+        fit(dict(net.named_parameters()), lambda s: torch.tensor(float("nan"), requires_grad=True),
+            FitConfig(steps=2), progress=False)
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = FitConfig(steps=100, warmup=0.1)
+    f = [lr_factor(cfg, s) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[9:], f[10:])) and f[-1] < 0.01
+
+
+def test_checkpoint_roundtrip_nested(tmp_path):
+    state = {"a": torch.arange(3), "b": {1: [torch.ones(2), 0.5, None, "x"], "t": (1, 2)}, "inf": float("inf")}
+    save_checkpoint(tmp_path / "c", state)
+    back = load_checkpoint(tmp_path / "c")
+    assert torch.equal(back["a"], state["a"]) and back["b"][1][1:] == [0.5, None, "x"]
+    assert torch.equal(back["b"][1][0], torch.ones(2)) and back["b"]["t"] == (1, 2) and back["inf"] == float("inf")
