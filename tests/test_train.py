@@ -80,3 +80,28 @@ def test_checkpoint_roundtrip_nested(tmp_path):
     back = load_checkpoint(tmp_path / "c")
     assert torch.equal(back["a"], state["a"]) and back["b"][1][1:] == [0.5, None, "x"]
     assert torch.equal(back["b"][1][0], torch.ones(2)) and back["b"]["t"] == (1, 2) and back["inf"] == float("inf")
+
+
+def test_classifier_finetuning_learns_a_separable_task(tokenizer):
+    from mlpsurgery.data import LabelledSet
+    from mlpsurgery.measure.accuracy import accuracy
+    from mlpsurgery.tiny import tiny_model
+    from mlpsurgery.train import classifier_loss, trainable
+
+    texts = [("good " if i % 2 else "bad ") * (1 + i % 5) for i in range(64)]
+    data = LabelledSet(texts, [i % 2 for i in range(64)], ["bad", "good"])
+    model = tiny_model("bert", task="classifier", num_labels=2).train()
+    fit(trainable(model), classifier_loss(model, tokenizer, data, 16, max_len=32), FitConfig(steps=60, lr=3e-3),
+        progress=False)
+    assert accuracy(model, tokenizer, data, max_len=32, progress=False) > 0.9
+
+
+def test_lm_finetuning_lowers_loss_on_its_text(tokenizer):
+    from mlpsurgery.tiny import tiny_model
+    from mlpsurgery.train import lm_loss, trainable
+
+    text = "abcabcabd" * 200
+    ids = torch.tensor(tokenizer(text)["input_ids"][:1024]).view(-1, 32)
+    model = tiny_model("gpt2").train()
+    r = fit(trainable(model), lm_loss(model, ids, 8), FitConfig(steps=40, lr=3e-3), progress=False)
+    assert r.history[-1]["loss"] < 0.5 * r.history[0]["loss"]

@@ -244,3 +244,45 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     seconds = time.perf_counter() - t0
     write(cfg.steps, seconds)
     return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ready-made losses for fit(): language modelling on token blocks, classification on labelled text
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """name -> parameter for every parameter that requires grad (tied parameters once)."""
+    out, seen = {}, set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p
+    return out
+
+
+def lm_loss(model: nn.Module, blocks: Tensor, batch_size: int, seed: int = 0) -> Callable[[int], Tensor]:
+    """loss_fn(step): next-token loss on `batch_size` rows of `blocks` (N, T) drawn with step_rng(seed, step)."""
+    device = next(model.parameters()).device
+
+    def loss_fn(step: int) -> Tensor:
+        idx = torch.randint(0, len(blocks), (batch_size,), generator=step_rng(seed, step))
+        batch = blocks[idx].to(device)
+        return model(input_ids=batch, labels=batch).loss
+
+    return loss_fn
+
+
+def classifier_loss(model: nn.Module, tokenizer, data, batch_size: int, max_len: int = 128,
+                    seed: int = 0) -> Callable[[int], Tensor]:
+    """loss_fn(step): cross-entropy of a sequence classifier on `batch_size` examples of a LabelledSet."""
+    device = next(model.parameters()).device
+    labels = torch.tensor(data.labels)
+
+    def loss_fn(step: int) -> Tensor:
+        idx = torch.randint(0, len(data), (batch_size,), generator=step_rng(seed, step)).tolist()
+        enc = tokenizer([data.texts[i] for i in idx], padding=True, truncation=True, max_length=max_len,
+                        return_tensors="pt")
+        enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        return model(**enc, labels=labels[idx].to(device)).loss
+
+    return loss_fn
