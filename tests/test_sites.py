@@ -178,3 +178,24 @@ def test_parse_layers():
         parse_layers("0,40", 30)
     with pytest.raises(MLPSurgeryError, match="not understood"):
         parse_layers("x", 30)
+
+
+def test_linears_by_role_and_replace_linear(model, ids):
+    """Every projection can be swapped for an equivalent nn.Linear built from its canonical weight."""
+    from mlpsurgery.sites import linear_weight
+
+    ref = outputs(model, ids)
+    sites = find_sites(model)
+    for site in sites.mlp + sites.attn:
+        for role, mod in site.linears().items():
+            w, b = linear_weight(mod)
+            new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+            with torch.no_grad():
+                new.weight.copy_(w)
+                if b is not None:
+                    new.bias.copy_(b)
+            site.replace_linear(role, new)
+            assert site.linears()[role] is new
+    torch.testing.assert_close(outputs(model, ids), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(MLPSurgeryError, match="not 'nope'"):
+        sites.mlp[0].replace_linear("nope", nn.Identity())

@@ -180,7 +180,6 @@ class ArchSpec:
     down: str = "down_proj"
     act: str = "act_fn"
     act_keys: tuple[str, ...] = ("hidden_act",)
-    conv1d: bool = False  # GPT-2's Conv1D stores weights as (in, out)
     pre_norm: str | None = "post_attention_layernorm"
     inner_post_norm: str | None = None  # applied to the MLP output before the residual add (Gemma 2/3)
     outer_post_norm: str | None = None  # applied after the residual add (post-norm encoders)
@@ -221,7 +220,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
                                 q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks"),
     "gpt2": ArchSpec(name="gpt2", layers="h", up="c_fc", gate=None, down="c_proj", act="act",
-                     act_keys=("activation_function",), conv1d=True, pre_norm="ln_2", attn="attn",
+                     act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",
                      embeddings=("wte", "wpe"), final_norm="ln_f"),
     "gpt_neox": ArchSpec(name="gpt_neox", layers="layers", up="dense_h_to_4h", gate=None, down="dense_4h_to_h",
@@ -263,13 +262,18 @@ def _set(module: nn.Module, path: str, new: nn.Module) -> None:
     setattr(_get(module, parent), name, new)
 
 
-def _weight(mod: nn.Module, conv1d: bool) -> Tensor:
-    """(out, in) view of a Linear or Conv1D weight."""
-    return mod.weight.t() if conv1d else mod.weight
+def _weight(mod: nn.Module) -> Tensor:
+    """(out, in) view of a Linear or Conv1D weight (Conv1D stores (in, out))."""
+    return mod.weight.t() if isinstance(mod, Conv1D) else mod.weight
 
 
 def _bias(mod: nn.Module) -> Tensor | None:
     return getattr(mod, "bias", None)
+
+
+def linear_weight(mod: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """(weight (out, in), bias) of a Linear or GPT-2 Conv1D, as views of the module's parameters."""
+    return _weight(mod), _bias(mod)
 
 
 def _copy_(dst: Tensor, src: Tensor) -> None:
@@ -279,11 +283,11 @@ def _copy_(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
-def _new_linear(weight: Tensor, bias: Tensor | None, conv1d: bool, like: nn.Module) -> nn.Module:
-    """A Linear (or Conv1D) holding `weight` (out, in), on the device and dtype of `like`."""
+def _new_linear(weight: Tensor, bias: Tensor | None, like: nn.Module) -> nn.Module:
+    """A module of the same kind as `like` (Linear or Conv1D) holding `weight` (out, in), on its device and dtype."""
     p = like.weight
     out_f, in_f = weight.shape
-    if conv1d:
+    if isinstance(like, Conv1D):
         mod = Conv1D(out_f, in_f).to(device=p.device, dtype=p.dtype)
         _copy_(mod.weight, weight.t())
         if bias is None:
@@ -384,6 +388,24 @@ class MLPSite:
         self._require_original()
         return self._mlp_part(self.spec.down)
 
+    def _linear_names(self) -> dict[str, str]:
+        s = self.spec
+        names = {"gate_up": s.gate_up} if s.gate_up else {"up": s.up, **({"gate": s.gate} if s.gate else {})}
+        return {**names, "down": s.down}
+
+    def linears(self) -> dict[str, nn.Module]:
+        """The MLP's projections by role: up, gate (gated), down; Phi-3's fused gate_up instead of up + gate.
+        Use `linear_weight(mod)` for their (out, in) weights whatever the storage (Linear or Conv1D)."""
+        return {role: self._mlp_part(name) for role, name in self._linear_names().items()}
+
+    def replace_linear(self, role: str, module: nn.Module) -> None:
+        """Swap one projection (see `linears`) for a module computing a map of the same shape."""
+        names = self._linear_names()
+        if role not in names:
+            raise MLPSurgeryError(f"layer {self.index}: the MLP has projections {sorted(names)}, not {role!r}")
+        s = self.spec
+        _set(self.layer, f"{s.mlp}.{names[role]}" if s.mlp_layout == "module" else names[role], module)
+
     def _mlp_part(self, name: str) -> nn.Module:
         s = self.spec
         if s.mlp_layout == "module":
@@ -403,7 +425,7 @@ class MLPSite:
     @property
     def h(self) -> int:
         self._require_original()
-        return _weight(self._mlp_part(self.spec.down), self.spec.conv1d).shape[1]
+        return _weight(self._mlp_part(self.spec.down)).shape[1]
 
     def modules(self) -> list[nn.Module]:
         """The modules that compute the MLP (or its replacement), norms excluded."""
@@ -428,22 +450,21 @@ class MLPSite:
         """The MLP's weights (detached copies) in canonical orientation."""
         self._require_original()
         s = self.spec
-        c = s.conv1d
         down = self._mlp_part(s.down)
-        w: dict = {"down": _weight(down, c), "down_bias": _bias(down), "activation": self.activation}
+        w: dict = {"down": _weight(down), "down_bias": _bias(down), "activation": self.activation}
         if s.gate_up:
             fused = self._mlp_part(s.gate_up)
-            gate, up = _weight(fused, c).chunk(2, dim=0)
+            gate, up = _weight(fused).chunk(2, dim=0)
             w.update(gate=gate, up=up)
             b = _bias(fused)
             if b is not None:
                 w["gate_bias"], w["up_bias"] = b.chunk(2)
         else:
             up = self._mlp_part(s.up)
-            w.update(up=_weight(up, c), up_bias=_bias(up))
+            w.update(up=_weight(up), up_bias=_bias(up))
             if s.gate:
                 gate = self._mlp_part(s.gate)
-                w.update(gate=_weight(gate, c), gate_bias=_bias(gate))
+                w.update(gate=_weight(gate), gate_bias=_bias(gate))
         w = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in w.items()}
         return MLPWeights(**w)
 
@@ -475,9 +496,9 @@ class MLPSite:
                                       f"the weights {'lack' if have_bias else 'carry'} one")
             if resize:
                 path = f"{s.mlp}.{name}" if s.mlp_layout == "module" else name
-                _set(self.layer, path, _new_linear(weight, bias, s.conv1d, like=mod))
+                _set(self.layer, path, _new_linear(weight, bias, like=mod))
             else:
-                _copy_(mod.weight, weight.t() if s.conv1d else weight)
+                _copy_(mod.weight, weight.t() if isinstance(mod, Conv1D) else weight)
                 if bias is not None:
                     _copy_(mod.bias, bias)
         if resize and s.mlp_layout == "module" and hasattr(self.module, "intermediate_size"):
@@ -561,10 +582,23 @@ class AttnSite:
     def _part(self, name: str) -> nn.Module:
         return _get(self.module, name)
 
-    def projections(self) -> list[nn.Module]:
+    def _linear_names(self) -> dict[str, str]:
         s = self.spec
-        names = [s.qkv] if s.qkv else [s.q, s.k, s.v]
-        return [self._part(n) for n in names] + [self.o_proj]
+        return {"qkv": s.qkv, "o": s.o} if s.qkv else {"q": s.q, "k": s.k, "v": s.v, "o": s.o}
+
+    def linears(self) -> dict[str, nn.Module]:
+        """The attention projections by role: q, k, v, o (or the fused qkv and o)."""
+        return {role: self._part(name) for role, name in self._linear_names().items()}
+
+    def replace_linear(self, role: str, module: nn.Module) -> None:
+        """Swap one projection (see `linears`) for a module computing a map of the same shape."""
+        names = self._linear_names()
+        if role not in names:
+            raise MLPSurgeryError(f"layer {self.index}: attention has projections {sorted(names)}, not {role!r}")
+        _set(self.module, names[role], module)
+
+    def projections(self) -> list[nn.Module]:
+        return list(self.linears().values())
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for m in self.projections():
@@ -591,18 +625,18 @@ class AttnSite:
                            dim=1).reshape(3 * H * hd, *rest)
 
     def read(self) -> AttnWeights:
-        s, c = self.spec, self.spec.conv1d
+        s = self.spec
         H, K, hd, d = self.n_heads, self.n_kv, self.head_dim, self.d
         if s.qkv:
             fused = self._part(s.qkv)
-            q, k, v = self._split_qkv(_weight(fused, c))
+            q, k, v = self._split_qkv(_weight(fused))
             b = _bias(fused)
             qb, kb, vb = self._split_qkv(b) if b is not None else (None, None, None)
         else:
             mods = [self._part(n) for n in (s.q, s.k, s.v)]
-            q, k, v = (_weight(m, c) for m in mods)
+            q, k, v = (_weight(m) for m in mods)
             qb, kb, vb = (_bias(m) for m in mods)
-        o = _weight(self.o_proj, c)
+        o = _weight(self.o_proj)
         w = AttnWeights(
             q=q.reshape(H, hd, d), k=k.reshape(K, hd, d), v=v.reshape(K, hd, d), o=o.reshape(d, H, hd),
             q_bias=None if qb is None else qb.reshape(H, hd), k_bias=None if kb is None else kb.reshape(K, hd),
@@ -610,17 +644,17 @@ class AttnSite:
         return w.map(lambda t: t.detach().clone())
 
     def write(self, w: AttnWeights) -> None:
-        s, c = self.spec, self.spec.conv1d
+        s = self.spec
         if (w.n_heads, w.n_kv, w.head_dim) != (self.n_heads, self.n_kv, self.head_dim):
             raise MLPSurgeryError(
                 f"layer {self.index}: attention has {self.n_heads} heads / {self.n_kv} KV groups of {self.head_dim}; "
-                f"weights have {w.n_heads} / {w.n_kv} of {w.head_dim}. Fewer heads need a new model "
-                "(see mlpsurgery.io.rebuild_with_widths).")
+                f"weights have {w.n_heads} / {w.n_kv} of {w.head_dim}. Fewer heads need a new model built "
+                "from a config with fewer heads.")
         d = self.d
         q, k, v = w.q.reshape(-1, d), w.k.reshape(-1, d), w.v.reshape(-1, d)
 
         def put(mod, weight, bias):
-            _copy_(mod.weight, weight.t() if c else weight)
+            _copy_(mod.weight, weight.t() if isinstance(mod, Conv1D) else weight)
             if bias is not None:
                 _copy_(mod.bias, bias)
 
