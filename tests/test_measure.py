@@ -106,3 +106,27 @@ def test_flops_follow_replaced_modules():
     for s in find_sites(m).mlp:
         s.replace_mlp(DenseMLP.from_weights(s.read().select(torch.arange(16))))
     assert flops_per_token(m)["mlp"] == before // 4
+
+
+def test_peak_tracker_follows_allocations_and_frees():
+    from mlpsurgery.measure.memory import PeakTracker
+
+    keep = torch.zeros(1000)  # 4000 bytes alive before the region
+    with PeakTracker(keep) as t:
+        a = torch.ones(25_000)  # 100 kB
+        del a
+        b = torch.ones(50_000)  # 200 kB, after a was freed
+        c = b.view(-1)  # a view: no new storage
+        b.add_(1)  # in place: no new storage
+        del b, c
+    assert t.base == 4000
+    assert t.peak == 4000 + 200_000
+
+
+def test_cost_probe_with_frozen_parameters():
+    m = tiny_model("llama")
+    for n, p in m.named_parameters():
+        p.requires_grad_("mlp" in n)
+    c = measure_cost(m, torch.randint(0, 256, (2, 16)), repeats=1)
+    assert c.trainable_params == sum(p.numel() for n, p in m.named_parameters() if "mlp" in n)
+    assert c.step_peak_bytes > c.forward_peak_bytes

@@ -142,12 +142,17 @@ def set_rng_state(state: dict) -> None:
 # The loop
 
 
+class StopTraining(Exception):
+    """Raised by a loss_fn to end training early (e.g. an attack that diverged); fit returns what it has."""
+
+
 @dataclass
 class FitResult:
     history: list[dict]  # {"step", "loss", "lr", "time_s", plus whatever loss_fn reported}
     steps: int
     resumed_from: int
     seconds: float
+    stopped_early: str | None = None  # the StopTraining message, when loss_fn ended the run
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +162,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         checkpoint_dir: str | Path | None = None, progress: bool = True, desc: str = "train",
         optimizer_groups: list[dict] | None = None,
         on_checkpoint: Callable[[dict], None] | None = None,
-        on_resume: Callable[[dict], None] | None = None) -> FitResult:
+        on_resume: Callable[[dict], None] | None = None,
+        clip_fn: Callable[[], float] | None = None) -> FitResult:
     """Minimise loss_fn(step) over `params` (name -> parameter) for cfg.steps steps.
 
     loss_fn(step) returns the loss (or (loss, metrics)); it must draw its batch with step_rng(seed, step)
@@ -165,6 +171,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     (dicts with "params" as names and their own "lr"/"weight_decay"). Checkpoints go to checkpoint_dir every
     cfg.checkpoint_every steps, at the end, and on Ctrl-C; a later call with the same folder resumes.
     on_checkpoint / on_resume let the caller save and restore extra state (e.g. learned scalars).
+    clip_fn replaces the global gradient-norm clip (e.g. a separate clip per independent sub-network);
+    it returns the norm it saw.
     """
     if cfg.steps < 0:
         raise MLPSurgeryError(f"steps must be >= 0, not {cfg.steps}")
@@ -211,6 +219,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
 
     t0 = time.perf_counter() - elapsed
     step = start
+    stopped = None
     bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", disable=not progress)
     try:
         for step in range(start, cfg.steps):
@@ -223,7 +232,9 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                 raise MLPSurgeryError(f"{desc}: loss became {loss.item()} at step {step}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if cfg.clip:
+            if clip_fn is not None:
+                metrics.setdefault("grad_norm", float(clip_fn()))
+            elif cfg.clip:
                 gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.clip)
                 metrics.setdefault("grad_norm", float(gn))
             opt.step()
@@ -236,14 +247,17 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 write(step + 1, time.perf_counter() - t0)
         step = cfg.steps
+    except StopTraining as e:
+        stopped = str(e) or "stopped by the loss function"
     except KeyboardInterrupt:
         write(len(history) and history[-1]["step"], time.perf_counter() - t0)
         bar.close()
         raise
     bar.close()
     seconds = time.perf_counter() - t0
-    write(cfg.steps, seconds)
-    return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds)
+    if stopped is None:
+        write(cfg.steps, seconds)
+    return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped)
 
 
 # --------------------------------------------------------------------------------------------------

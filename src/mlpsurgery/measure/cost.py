@@ -2,9 +2,8 @@
 and of one training step (forward + backward + AdamW step), on CPU and CUDA alike.
 
 Peak memory is the peak of live tensor bytes (parameters, gradients, optimizer state, activations,
-temporaries) during the measured region: on CUDA `torch.cuda.max_memory_allocated`, on CPU PyTorch's
-own dispatch-level tracker (`torch.distributed._tools.mem_tracker.MemTracker`), which sees every tensor
-storage the region allocates. Times are medians over repeats after a warm-up; CUDA is synchronised.
+temporaries) during the measured region: on CUDA `torch.cuda.max_memory_allocated`, on CPU a
+dispatch-level tracker that sees every tensor storage the region allocates (measure/memory.py). Times are medians over repeats after a warm-up; CUDA is synchronised.
 """
 
 from __future__ import annotations
@@ -169,14 +168,11 @@ def _peak(device: torch.device, fn: Callable[[], None], track: tuple) -> int:
         fn()
         _sync(device)
         return int(torch.cuda.max_memory_allocated(device))
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from .memory import PeakTracker
 
-    mt = MemTracker()
-    mt.track_external(*track)
-    with mt:
+    with PeakTracker(*track) as tracker:
         fn()
-    snap = mt.get_tracker_snapshot("peak")
-    return int(sum(v["Total"] for v in snap.values()))
+    return tracker.peak
 
 
 def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int = 1, lr: float = 1e-5,

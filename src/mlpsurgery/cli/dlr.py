@@ -1,0 +1,181 @@
+"""DLR-Lock commands: `lock dlr` and `attack dlr`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from ..report import table
+from . import command, device_of
+from .core import MODEL_HELP
+
+
+def run_lock(args) -> dict:
+    from ..data import load_corpus
+    from ..errors import MLPSurgeryError
+    from ..io import save
+    from ..measure.perplexity import is_causal_lm, perplexity
+    from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
+    from ..models import load_model
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    loaded = load_model(args.model)
+    model, tok = loaded.model.to(device_of(args)), loaded.require_tokenizer()
+    cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
+                    calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
+                    phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
+                    phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
+                    gradient_checkpointing=not args.no_checkpointing, seed=args.seed)
+    if args.depth and not args.rank:
+        from ..sites import find_sites
+
+        _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
+        cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
+    cfg.validate()
+    corpus = load_corpus(args.data, tok)
+    calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
+    p2 = corpus.blocks("train", cfg.block_len, max_blocks=cfg.phase2_blocks, seed=cfg.seed + 1)
+    causal = is_causal_lm(model)
+    evals: dict[str, dict] = {}
+    second = None
+    if causal and args.eval_tokens and args.second_corpus:
+        second = load_corpus(args.second_corpus, tok)
+
+    def measure(stage: str):
+        if not (causal and args.eval_tokens):
+            return
+        row = {"heldout": perplexity(model, corpus.heldout, block_len=512, max_tokens=args.eval_tokens,
+                                     progress=not args.quiet).ppl}
+        if second is not None:
+            row["second_corpus"] = perplexity(model, second.train + second.heldout, block_len=512,
+                                              max_tokens=args.eval_tokens, progress=not args.quiet).ppl
+        evals[stage] = row
+
+    measure("original")
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
+    t0 = time.perf_counter()
+    report = dlr_lock(model, calib, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
+                      on_phase1=lambda m: measure("phase1"))
+    seconds = time.perf_counter() - t0
+    measure("phase2")
+    save(model, out, tokenizer=tok, overwrite=args.overwrite)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    res = {"out": str(out), "model": loaded.source, "config": cfg.__dict__, "report": report.as_dict(),
+           "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
+           "second_corpus": args.second_corpus}
+    if "original" in evals and "phase2" in evals:
+        res["heldout_ratio"] = evals["phase2"]["heldout"] / evals["original"]["heldout"]
+    return res
+
+
+def render_lock(r: dict) -> str:
+    rep = r["report"]
+    lines = [f"locked {len(rep['layers'])} MLPs of {r['model']} -> {r['out']}",
+             f"  DLR-Nets: rank {rep['rank']}, depth {rep['depth']} ({rep['params_dlr']} parameters each vs "
+             f"{rep['params_mlp']} in the MLP); {r['seconds']:.0f} s"]
+    if r["perplexity"]:
+        rows = [{"stage": k, **{c: f"{v:.3f}" for c, v in row.items()}} for k, row in r["perplexity"].items()]
+        lines += ["", table(rows)]
+        if "heldout_ratio" in r:
+            lines.append(f"held-out perplexity ratio locked / original: {r['heldout_ratio']:.3f}")
+    p2 = rep["phase2_relative_error"]
+    errs = [{"layer": i, "phase 1": f"{e:.4f}", "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"}
+            for i, e in rep["phase1_relative_error"].items()]
+    lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity):", table(errs)]
+    return "\n".join(lines)
+
+
+def run_attack(args) -> dict:
+    from ..data import load_corpus
+    from ..errors import MLPSurgeryError
+    from ..io import source_of
+    from ..methods.dlr_lock import AttackSuiteConfig, attack_suite, attack_table, plot_attack_suite
+    from ..models import load_model
+
+    locked = load_model(args.locked)
+    original_spec = args.original or source_of(locked.model)
+    if not original_spec:
+        raise MLPSurgeryError("the locked folder does not name its original model; pass --original MODEL")
+    original = load_model(original_spec)
+    dev = device_of(args)
+    locked.model.to(dev)
+    original.model.to(dev)
+    tok = locked.require_tokenizer()
+    corpus = load_corpus(args.data, tok)
+    train = corpus.blocks("train", args.block_len, max_blocks=args.train_blocks, seed=args.seed + 2)
+    held = corpus.blocks("heldout", args.block_len, max_blocks=args.eval_blocks, seed=args.seed + 3)
+    cfg = AttackSuiteConfig(lrs=tuple(float(x) for x in args.lrs.split(",")), steps=args.steps, batch=args.batch,
+                            attacks=tuple(a.strip() for a in args.attacks.split(",")), lora_rank=args.lora_rank,
+                            reverse_layers=args.reverse_layers, reverse_steps=args.reverse_steps, seed=args.seed)
+    out = Path(args.out)
+    suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
+    plot_attack_suite(suite, out / "attacks.png")
+    rows = attack_table(suite)
+    (out / "attacks.md").write_text(table(rows, markdown=True) + "\n")
+    (out / "suite.json").write_text(json.dumps(suite))
+    return {"table": rows, "reverse": suite["reverse"], "plot": str(out / "attacks.png"), "out": str(out),
+            "locked": args.locked, "original": original_spec}
+
+
+def render_attack(r: dict) -> str:
+    lines = [table(r["table"])]
+    rev = r["reverse"]
+    if rev:
+        lines.append(f"reverse distillation: {rev['steps']} steps on {len(rev['layers'])} layers took "
+                     f"{rev['seconds']:.0f} s ({rev['seconds_per_layer']:.0f} s per layer; about "
+                     f"{rev['estimated_seconds_all_layers']:.0f} s for all {rev['locked_layers']} locked layers), "
+                     f"relative error reached {', '.join(f'{v:.3f}' for v in rev['relative_error'].values())}")
+    lines.append(f"plot: {r['plot']}")
+    return "\n".join(lines)
+
+
+def register(sub, groups) -> None:
+    p = command(groups["lock"], "dlr", run_lock, render_lock,
+                "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="folder for the locked model (mlpsurgery format)")
+    p.add_argument("--rank", type=int, help="bottleneck rank r of each block (64 unless --depth is given)")
+    p.add_argument("--depth", type=int, help="blocks per DLR-Net (default: match the MLP's parameter count)")
+    p.add_argument("--layers", default="all", help="layers to lock: all, 8-11, 0,3,5 (default all)")
+    p.add_argument("--data", help="calibration / distillation text: file, folder, austen (default), r8")
+    p.add_argument("--block-len", type=int, default=256)
+    p.add_argument("--calib-blocks", type=int, default=256, help="blocks captured for phase 1 (256)")
+    p.add_argument("--phase1-steps", type=int, default=2000)
+    p.add_argument("--phase1-lr", type=float, default=2e-3)
+    p.add_argument("--phase1-tokens", type=int, default=512, help="tokens per layer per phase-1 step")
+    p.add_argument("--phase2-steps", type=int, default=200)
+    p.add_argument("--phase2-lr", type=float, default=1e-4)
+    p.add_argument("--phase2-batch", type=int, default=4)
+    p.add_argument("--phase2-blocks", type=int, default=256, help="teacher-labelled blocks for phase 2 (256)")
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
+    p.add_argument("--eval-tokens", type=int, default=8192,
+                   help="held-out tokens scored after each stage (0: no evaluation)")
+    p.add_argument("--second-corpus", default="r8", help="a second, different corpus to score (default: r8 news)")
+    p.add_argument("--workdir", help="resumable intermediate state (default: OUT.work, removed on success)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = command(groups["attack"], "dlr", run_attack, render_attack,
+                "the adaptive attacker: fine-tuning (3 LRs), checkpointing, LoRA, frozen DLR, reverse distillation")
+    p.add_argument("locked", help="a folder written by `mlpsurgery lock dlr`")
+    p.add_argument("--original", help=f"the original model (default: the one recorded in the locked folder); {MODEL_HELP}")
+    p.add_argument("--out", required=True, help="folder for per-attack results, the table and the plot")
+    p.add_argument("--data", help="the attacker's fine-tuning text (default: bundled Austen)")
+    p.add_argument("--attacks", default="finetune,checkpointing,lora,frozen,reverse")
+    p.add_argument("--lrs", default="1e-5,1e-4,1e-3", help="plain fine-tuning learning rates")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--block-len", type=int, default=128)
+    p.add_argument("--train-blocks", type=int, default=512)
+    p.add_argument("--eval-blocks", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--reverse-layers", type=int, default=2)
+    p.add_argument("--reverse-steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)

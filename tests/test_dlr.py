@@ -1,0 +1,184 @@
+import pytest
+import torch
+
+import mlpsurgery.methods.dlr_lock as dl
+from conftest import outputs
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.io import load, read_manifest, save
+from mlpsurgery.methods.dlr_lock import DLRConfig, dlr_lock, plan, topk_kl
+from mlpsurgery.modules.dlr import DLRNet, StackedDLR, dlr_depth
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import tiny_model
+from mlpsurgery.train import FitConfig, fit, step_rng
+
+ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert"]
+
+
+def blocks(n=16, t=32, seed=0):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def small_cfg(**kw):
+    base = dict(rank=8, calib_blocks=16, block_len=32, phase1_steps=60, phase1_lr=1e-2, phase1_tokens=128,
+                phase2_steps=8, phase2_lr=1e-3, phase2_batch=2, phase2_blocks=8, top_k=8, gradient_checkpointing=False)
+    base.update(kw)
+    return DLRConfig(**base)
+
+
+def test_depth_matches_the_parameter_budget():
+    # SmolLM2: SwiGLU 3 * 576 * 1536 parameters; one block costs 2dr + d + 1
+    assert dlr_depth(3 * 576 * 1536, 576, 64) == 36
+    assert dlr_depth(3 * 576 * 1536, 576, 16) == 140
+    net = DLRNet(576, 64, 36)
+    assert sum(p.numel() for p in net.parameters()) == 36 * (2 * 576 * 64 + 576 + 1)
+
+
+def test_identity_at_init_and_stacked_equals_single():
+    x = torch.randn(3, 7, 16)
+    net = DLRNet(16, 4, 5)
+    assert torch.equal(net(x), torch.zeros_like(x))  # a_l = 0: the sub-block adds nothing
+    stacked = StackedDLR(3, 16, 4, 5, seed=1)
+    with torch.no_grad():
+        stacked.alpha.normal_()
+        stacked.norm.uniform_(0.5, 1.5)
+    out = stacked(x)
+    for i in range(3):
+        torch.testing.assert_close(stacked.unstack(i).full(x[i]), out[i], rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_reach_every_parameter_after_one_step():
+    net = DLRNet(16, 4, 3)
+    x = torch.randn(32, 16)
+    target = torch.randn(32, 16)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        (net.full(x) - target).pow(2).mean().backward()
+        opt.step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+
+
+def test_batched_layers_train_exactly_like_independent_ones():
+    """Per-layer clipping + element-wise AdamW: training 3 layers as one StackedDLR is training each alone."""
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(3, 256, 16, generator=g), torch.randn(3, 256, 16, generator=g)
+    cfg = FitConfig(steps=15, lr=5e-2, clip=1.0)
+    stacked = StackedDLR(3, 16, 4, 4, seed=3)
+    singles = [StackedDLR(1, 16, 4, 4) for _ in range(3)]
+    for i, s in enumerate(singles):
+        s.load_from(0, stacked.unstack(i))
+
+    def loss_for(net, rows):
+        def loss(step):
+            idx = torch.randint(0, 256, (64,), generator=step_rng(0, step))
+            x, y = X[rows][:, idx], Y[rows][:, idx]
+            return dl.relative_error(net(x), x, y).sum() * 10  # large loss: clipping is active
+        return loss
+
+    fit(dict(stacked.named_parameters()), loss_for(stacked, [0, 1, 2]), cfg, progress=False,
+        clip_fn=dl._per_layer_clip(stacked, 1.0))
+    for i, s in enumerate(singles):
+        fit(dict(s.named_parameters()), loss_for(s, [i]), cfg, progress=False, clip_fn=dl._per_layer_clip(s, 1.0))
+        for name in ("D", "U", "norm", "alpha"):
+            torch.testing.assert_close(getattr(stacked, name)[i], getattr(s, name)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_topk_kl():
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 5, 50, generator=g) * 3
+    logp = torch.log_softmax(teacher, -1)
+    val, idx = logp.topk(10, -1)
+    assert topk_kl(teacher, idx, val).abs() < 1e-6
+    student = teacher + torch.randn(2, 5, 50, generator=g)
+    assert topk_kl(student, idx, val) > 0
+    # with k = V - 1 the pooled tail is one token: the full KL
+    val, idx = logp.topk(49, -1)
+    full = (logp.exp() * (logp - torch.log_softmax(student, -1))).sum(-1).mean()
+    torch.testing.assert_close(topk_kl(student, idx, val), full, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_phase1_lowers_relative_error_and_lock_saves_and_reloads(arch, tmp_path, ids):
+    model = tiny_model(arch)
+    cfg = small_cfg(calib_blocks=64, phase1_steps=150, phase1_tokens=256)
+    report = dlr_lock(model, blocks(64), blocks(8, seed=1), cfg, tmp_path / "work", progress=False)
+    assert report.depth == plan(tiny_model(arch), cfg)[1]
+    for i, err in report.phase1_relative_error.items():
+        # on held-out captured tokens; 1.0 is the identity a fresh DLR-Net computes
+        assert err < 0.7, (arch, i, err)
+    sites = find_sites(model)
+    assert all(isinstance(s.module, DLRNet) for s in sites.mlp)
+    ref = outputs(model, ids)
+    save(model, tmp_path / "locked")
+    assert read_manifest(tmp_path / "locked")["history"][0]["method"] == "dlr_lock"
+    assert torch.equal(outputs(load(tmp_path / "locked"), ids), ref)
+
+
+def test_phase2_improves_on_phase1(tmp_path):
+    model = tiny_model("llama")
+    data = blocks(16, seed=2)
+    report = dlr_lock(model, blocks(), data, small_cfg(phase1_steps=20, phase2_steps=40, phase2_lr=3e-3),
+                      tmp_path / "w", progress=False)
+    first = sum(h["loss"] for h in report.phase2_history[:5]) / 5
+    last = sum(h["loss"] for h in report.phase2_history[-5:]) / 5
+    assert last < first
+
+
+def test_encoder_phase2_distils_hidden_states(tmp_path):
+    model = tiny_model("bert")
+    report = dlr_lock(model, blocks(), blocks(8, seed=1), small_cfg(phase2_steps=20, phase2_lr=3e-3), tmp_path / "w",
+                      progress=False)
+    assert report.phase2_history[-1]["loss"] < report.phase2_history[0]["loss"]
+
+
+def test_interrupted_lock_resumes_to_the_same_model(tmp_path, monkeypatch, ids):
+    cfg = small_cfg(phase1_steps=30, phase2_steps=10)
+    a = tiny_model("qwen3")
+    dlr_lock(a, blocks(), blocks(8, seed=1), cfg, tmp_path / "a", progress=False)
+
+    calls = {"n": 0}
+    real = dl.relative_error
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 17:  # the 17th phase-1 step
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(dl, "relative_error", flaky)
+    b = tiny_model("qwen3")
+    with pytest.raises(KeyboardInterrupt):
+        dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    monkeypatch.setattr(dl, "relative_error", real)
+
+    real_kl = dl.topk_kl
+    calls["n"] = 0
+
+    def flaky_kl(*args):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real_kl(*args)
+
+    monkeypatch.setattr(dl, "topk_kl", flaky_kl)
+    b = tiny_model("qwen3")
+    with pytest.raises(KeyboardInterrupt):
+        dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    monkeypatch.setattr(dl, "topk_kl", real_kl)
+    b = tiny_model("qwen3")
+    dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    assert torch.equal(outputs(a, ids), outputs(b, ids))
+
+
+def test_work_folder_of_other_settings_is_refused(tmp_path):
+    dlr_lock(tiny_model("llama"), blocks(), blocks(8), small_cfg(phase1_steps=2, phase2_steps=0), tmp_path / "w",
+             progress=False)
+    with pytest.raises(MLPSurgeryError, match="other settings"):
+        dlr_lock(tiny_model("llama"), blocks(), blocks(8), small_cfg(rank=4, phase1_steps=2, phase2_steps=0),
+                 tmp_path / "w", progress=False)
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(MLPSurgeryError, match="rank"):
+        dlr_lock(tiny_model("llama"), blocks(), blocks(8), small_cfg(rank=0), tmp_path / "w", progress=False)
+    assert not (tmp_path / "w").exists()
