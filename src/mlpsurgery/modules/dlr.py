@@ -33,6 +33,20 @@ def dlr_depth(budget: int, d: int, rank: int) -> int:
     return max(1, round(budget / (2 * d * rank + d + 1)))
 
 
+def _fused_available(x: Tensor) -> bool:
+    """Inference on CUDA (or under Triton's CPU interpreter) with triton installed, outside torch.compile."""
+    if torch.compiler.is_compiling():
+        return False
+    if not x.is_cuda:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return False
+    from ..kernels.dlr_triton import HAVE_TRITON
+
+    return HAVE_TRITON
+
+
 def rms_norm(z: Tensor, eps: float) -> Tensor:
     """RMS normalisation without a scale: z / sqrt(mean(z^2) + eps)."""
     return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
@@ -49,8 +63,11 @@ class DLRNet(SurgeryModule):
         self.U = nn.Parameter(torch.empty(depth, d, rank))
         self.norm = nn.Parameter(torch.ones(depth, d))
         self.alpha = nn.Parameter(torch.zeros(depth))
-        # Runtime switch (not saved): recompute the blocks in backward instead of storing their activations.
+        # Runtime switches (not saved): recompute the blocks in backward instead of storing their activations;
+        # run inference (no grad, CUDA) through the fused Triton kernel.
         self.checkpoint = False
+        self.fused = True
+        self._folded: tuple | None = None
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -79,9 +96,26 @@ class DLRNet(SurgeryModule):
         return z
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.checkpoint and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._delta, x, use_reentrant=False)
+        if torch.is_grad_enabled():
+            if self.checkpoint:
+                return torch.utils.checkpoint.checkpoint(self._delta, x, use_reentrant=False)
+            return self._delta(x)
+        if self.fused and _fused_available(x):
+            from ..kernels.dlr_triton import dlr_forward
+
+            Dp, Up = self.folded_weights(x.dtype)
+            return dlr_forward(x, Dp, Up, self.eps)
         return self._delta(x)
+
+    def folded_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """D diag(norm) and alpha U for the fused kernel, cached until a parameter changes."""
+        from ..kernels.dlr_triton import fold
+
+        key = (dtype, self.D.device, *(p._version for p in (self.D, self.U, self.norm, self.alpha)),
+               *(p.data_ptr() for p in (self.D, self.U, self.norm, self.alpha)))
+        if self._folded is None or self._folded[0] != key:
+            self._folded = (key, *fold(self.D, self.U, self.norm, self.alpha, dtype))
+        return self._folded[1], self._folded[2]
 
     def _delta(self, x: Tensor) -> Tensor:
         return self.full(x) - x
