@@ -140,3 +140,17 @@ def test_loading_a_plain_folder_names_the_problem(tmp_path):
         load(tmp_path / "hf")
     with pytest.raises(MLPSurgeryError, match="does not exist"):
         load(tmp_path / "nope")
+
+
+def test_export_after_in_place_resize(ids, tmp_path):
+    """Every MLP narrowed through site.write (stock linears of a new shape, no new module class)."""
+    model = tiny_model("gpt2")
+    for s in find_sites(model).mlp:
+        s.write(s.read().select(torch.arange(24)))
+    ref = outputs(model, ids)
+    save(model, tmp_path / "m")
+    assert torch.equal(outputs(load(tmp_path / "m"), ids), ref)
+    export(tmp_path / "m", tmp_path / "hf")
+    plain = T.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert plain.config.n_inner == 24
+    torch.testing.assert_close(outputs(plain.eval(), ids), ref)

@@ -287,10 +287,9 @@ def to_stock(model: nn.Module) -> nn.Module:
         raise NotExportableError(
             f"MLP inner widths differ across layers ({sorted(widths | untouched)}); a stock config has one "
             "intermediate size. Compress every layer to the same width, or load it with mlpsurgery.load")
-    h = widths.pop()
+    h = (widths | untouched).pop()
     config = copy_config(model.config)
-    key = "n_inner" if config.model_type == "gpt2" else "ffn_dim" if config.model_type == "opt" else "intermediate_size"
-    setattr(config, key, h)
+    setattr(config, sites.spec.width_key, h)
     import transformers
 
     stock = getattr(transformers, type(model).__name__)._from_config(config).to(next(model.parameters()).dtype)

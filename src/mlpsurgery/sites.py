@@ -184,6 +184,7 @@ class ArchSpec:
     inner_post_norm: str | None = None  # applied to the MLP output before the residual add (Gemma 2/3)
     outer_post_norm: str | None = None  # applied after the residual add (post-norm encoders)
     norm_plus_one: bool = False  # Gemma's RMSNorm scales by (1 + weight)
+    width_key: str = "intermediate_size"  # the config field holding the MLP inner width
     # attention
     attn: str = "self_attn"
     q: str | None = "q_proj"
@@ -219,7 +220,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                                        inner_post_norm="post_feedforward_layernorm", norm_plus_one=True),
     "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
                                 q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks"),
-    "gpt2": ArchSpec(name="gpt2", layers="h", up="c_fc", gate=None, down="c_proj", act="act",
+    "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
                      act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",
                      embeddings=("wte", "wpe"), final_norm="ln_f"),
@@ -227,7 +228,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                          act="act", pre_norm="post_attention_layernorm", attn="attention", q=None, k=None, v=None,
                          o="dense", qkv="query_key_value", qkv_layout="neox", embeddings=("embed_in",),
                          final_norm="final_layer_norm"),
-    "opt": ArchSpec(name="opt", layers="decoder.layers", mlp_layout="opt", mlp="", up="fc1", gate=None, down="fc2",
+    "opt": ArchSpec(name="opt", layers="decoder.layers", width_key="ffn_dim", mlp_layout="opt", mlp="", up="fc1", gate=None, down="fc2",
                     act="activation_fn", act_keys=("activation_function",), pre_norm="final_layer_norm",
                     o="out_proj", attn_norm="self_attn_layer_norm",
                     embeddings=("decoder.embed_tokens", "decoder.embed_positions"), final_norm="decoder.final_layer_norm"),
