@@ -74,10 +74,13 @@ class Capture:
         return num / max(den, 1e-30)
 
 
-def _fingerprint(model: nn.Module, blocks: Tensor, layers: list[int], dtype: torch.dtype) -> str:
+def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
+    """A digest of a model's weights (a sample and the sum of each tensor), some data and settings: what a
+    resumable stage was computed from."""
     h = hashlib.sha256()
-    h.update(json.dumps({"layers": layers, "dtype": str(dtype), "shape": list(blocks.shape)}).encode())
-    h.update(blocks.cpu().numpy().tobytes())
+    h.update(json.dumps({k: str(v) for k, v in sorted(settings.items())}).encode())
+    h.update(json.dumps(list(data.shape)).encode())
+    h.update(data.cpu().numpy().tobytes())
     for name, p in model.state_dict().items():
         h.update(name.encode())
         h.update(p.detach().float().flatten()[:64].cpu().numpy().tobytes())
@@ -107,7 +110,7 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         root = Path(out_dir)
         root.mkdir(parents=True, exist_ok=True)
         cap.root = root
-        fp = _fingerprint(model, blocks, layers, dtype)
+        fp = fingerprint(model, blocks, layers=layers, dtype=dtype)
         meta_path = root / "capture.json"
         if meta_path.exists():
             try:

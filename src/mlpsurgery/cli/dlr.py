@@ -29,7 +29,8 @@ def run_lock(args) -> dict:
                     calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
                     phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
                     phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
-                    gradient_checkpointing=not args.no_checkpointing, seed=args.seed)
+                    gradient_checkpointing=not args.no_checkpointing, seed=args.seed,
+                    memory_limit_gb=args.memory_gb)
     if args.depth and not args.rank:
         from ..sites import find_sites
 
@@ -154,6 +155,8 @@ def register(sub, groups) -> None:
     p.add_argument("--phase2-blocks", type=int, default=256, help="teacher-labelled blocks for phase 2 (256)")
     p.add_argument("--top-k", type=int, default=32)
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
+    p.add_argument("--memory-gb", type=float, default=8.0,
+                   help="hold captured activations in RAM up to this size, else stream them from disk (8)")
     p.add_argument("--eval-tokens", type=int, default=8192,
                    help="held-out tokens scored after each stage (0: no evaluation)")
     p.add_argument("--second-corpus", default="r8", help="a second, different corpus to score (default: r8 news)")

@@ -21,7 +21,6 @@ resumes where it stopped and nothing finished is recomputed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -32,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..capture import capture_mlp_io
+from ..capture import capture_mlp_io, fingerprint
 from ..errors import MLPSurgeryError
 from ..io import atomic_write_text, record
 from ..measure.perplexity import is_causal_lm
@@ -122,20 +121,27 @@ def plan(model: nn.Module, cfg: DLRConfig) -> tuple[list[int], int, int]:
     return layers, depth, budget
 
 
-def _workdir_check(workdir: Path, cfg: DLRConfig, model: nn.Module) -> None:
-    """Refuse a work folder left by a run with other settings or another model (it would mix states)."""
-    key = {k: v for k, v in asdict(cfg).items() if k not in ("memory_limit_gb",)}
-    key["model"] = type(model).__name__ + ":" + str(getattr(model.config, "_name_or_path", ""))
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    path = workdir / "run.json"
+def _stage(workdir: Path, name: str, settings: dict) -> bool:
+    """Whether stage `name` already finished in `workdir` with these settings. A stage started or finished
+    with other settings is an error: its state would silently corrupt this run."""
+    path = workdir / f"{name}.stage.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("digest") != digest:
-            raise MLPSurgeryError(f"work folder {workdir} belongs to a DLR-Lock run with other settings; resume with "
-                                  "the same settings, or use (or empty) another folder")
-    else:
-        workdir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"digest": digest, "config": key}, indent=1))
+        if old["settings"] != settings:
+            diff = sorted(k for k in set(old["settings"]) | set(settings) if old["settings"].get(k) != settings.get(k))
+            raise MLPSurgeryError(f"work folder {workdir} holds a {name} stage made with other settings ({', '.join(diff)}); "
+                                  "resume with the same settings, or use (or empty) another folder")
+        return bool(old["done"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"settings": settings, "done": False}, indent=1))
+    return False
+
+
+def _finish(workdir: Path, name: str) -> None:
+    path = workdir / f"{name}.stage.json"
+    state = json.loads(path.read_text())
+    state["done"] = True
+    atomic_write_text(path, json.dumps(state, indent=1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,9 +231,13 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
     done = workdir / "phase1.safetensors"
     report = DLRReport(layers=layers, depth=depth, rank=cfg.rank, params_mlp=budget,
                        params_dlr=depth * (2 * d * cfg.rank + d + 1), capture_tokens=cap.n_tokens)
-    if done.exists():
+    settings = {"capture": json.loads((workdir / "capture" / "capture.json").read_text())["fingerprint"],
+                "layers": layers, "depth": depth, **{k: getattr(cfg, k) for k in (
+                    "rank", "eps", "phase1_steps", "phase1_lr", "phase1_tokens", "phase1_weight_decay",
+                    "phase1_val_fraction", "seed")}}
+    if _stage(workdir, "phase1", settings):
         state = load_file(str(done))
-        net.load_state_dict({k: v for k, v in state.items() if not k.startswith("report.")})
+        net.load_state_dict(state)
         meta = json.loads((workdir / "phase1.json").read_text())
         report.phase1_history, report.phase1_seconds = meta["history"], meta["seconds"]
     else:
@@ -248,6 +258,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
         save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(done))
         atomic_write_text(workdir / "phase1.json", json.dumps({"history": report.phase1_history,
                                                                "seconds": res.seconds}))
+        _finish(workdir, "phase1")
     rel = _validate(net, val)
     report.phase1_relative_error = {i: float(r) for i, r in zip(layers, rel)}
     nets = {i: net.unstack(j) for j, i in enumerate(layers)}
@@ -360,22 +371,25 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
     on_phase1(model) is called once the phase-1 DLR-Nets are installed (e.g. to measure phase 1 alone)."""
     cfg.validate()
     workdir = Path(workdir)
-    _workdir_check(workdir, cfg, model)
     model.eval()
     device = next(model.parameters()).device
     targets_path = workdir / "teacher.safetensors"
-    if cfg.phase2_steps > 0 and not targets_path.exists():
+    teacher = {"fingerprint": fingerprint(model, phase2_blocks, top_k=cfg.top_k)} if cfg.phase2_steps > 0 else None
+    if teacher is not None and not _stage(workdir, "teacher", teacher):
         # the teacher is the original model: its targets are computed before the surgery
-        tmp = workdir / "teacher.tmp.safetensors"
-        save_file(teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress), str(tmp))
-        tmp.replace(targets_path)
+        save_file(teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress), str(targets_path))
+        _finish(workdir, "teacher")
     nets, report = phase1(model, calib_blocks, cfg, workdir, progress, device=device)
     install(model, nets)
     if on_phase1 is not None:
         on_phase1(model)
     if cfg.phase2_steps > 0:
+        _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], "phase1": json.loads(
+            (workdir / "phase1.stage.json").read_text())["settings"], **{k: getattr(cfg, k) for k in (
+                "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
         targets = load_file(str(targets_path))
         res = phase2(model, phase2_blocks, targets, cfg, workdir, progress)
+        _finish(workdir, "phase2")
         report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
         report.phase2_seconds = res.seconds
         report.phase2_tokens_per_step = cfg.phase2_batch * phase2_blocks.shape[1]
