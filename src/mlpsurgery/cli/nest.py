@@ -40,9 +40,8 @@ def _ranks(text: str | None) -> tuple[int, ...] | None:
 
 
 def _check_options(args, parser: argparse.ArgumentParser, form: str, allowed: set[str]) -> None:
-    own = {a.dest for a in parser._actions}  # noqa: SLF001 (argparse has no public list of actions)
-    common = {"json", "quiet", "device", "help", "words", "run", "render"}
-    for dest in sorted(own - allowed - common):
+    common = {"json", "quiet", "device", "words", "run", "render", "nest_parser"}
+    for dest in sorted(set(vars(args)) - allowed - common):
         if getattr(args, dest) != parser.get_default(dest):
             flag = "--" + dest.replace("_", "-")
             raise MLPSurgeryError(f"{flag} does not apply to `mlpsurgery nest{'' if form == 'train' else ' ' + form}`; "

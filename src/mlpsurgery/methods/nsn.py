@@ -580,7 +580,7 @@ def _pyplot():
 
 
 def plot_frontier(curves: Mapping[str, list[dict]], metric: str, path: str | Path, x: str = "fraction",
-                  title: str = "", points: Mapping[str, list[dict]] | None = None) -> Path:
+                  title: str = "", points: Mapping[str, list[dict]] | None = None, xlabel: str | None = None) -> Path:
     """Metric against FLOPs fraction (or rank): one line per curve, optional scattered reference points."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -588,9 +588,9 @@ def plot_frontier(curves: Mapping[str, list[dict]], metric: str, path: str | Pat
         ax.plot([r[x] for r in rows], [r[metric] for r in rows], marker="o", ms=3, label=label)
     for label, rows in (points or {}).items():
         ax.scatter([r[x] for r in rows], [r[metric] for r in rows], marker="s", s=30, zorder=3, label=label)
-    ax.set_xlabel({"fraction": "FLOPs of the nested projections / dense", "rank": "rank"}.get(x, x))
+    ax.set_xlabel(xlabel or {"fraction": "FLOPs of the nested projections / dense", "rank": "rank"}.get(x, x))
     ax.set_ylabel(metric)
-    if x == "rank":
+    if x in ("rank", "flops"):
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
