@@ -85,7 +85,7 @@ def width_for(r: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-var-lr", type=float, default=5e-2)
@@ -242,7 +242,7 @@ def _plot_interpolation(check: dict, path: Path) -> None:
     ax.plot(xs, [check["C"] * x for x in xs], "r--", label=f"bound C * energy (C = {check['C']:.3g}, fitted on trained ranks)")
     cal = check["calibration"]
     ax.scatter([c["energy"] for c in cal], [c["measured"] for c in cal], marker="x", c="k", label="trained-rank pairs")
-    ax.set_xlabel("sum of ||b_i|| ||a_i|| over components r_1+1..r_int (all nested layers)")
+    ax.set_xlabel("energy: sum of ||b_i|| ||a_i||, i = r_1+1..r_int, all nested layers", fontsize=8)
     ax.set_ylabel("test cross-entropy difference")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -609,8 +609,8 @@ def plot_containment(scores: Tensor, ranks: Sequence[int], path: str | Path, tit
     im = ax.imshow(scores.numpy(), cmap="Blues", vmin=0, vmax=1)
     ax.set_xticks(range(len(ranks)), [str(r) for r in ranks], rotation=45)
     ax.set_yticks(range(len(ranks)), [str(r) for r in ranks])
-    ax.set_xlabel("r_large (column space projected on)")
-    ax.set_ylabel("r_small (basis being projected)")
+    ax.set_xlabel("r': projected onto the image of W_r'")
+    ax.set_ylabel("r: orthonormal basis of the image of W_r")
     for i in range(len(ranks)):
         for j in range(len(ranks)):
             ax.text(j, i, f"{float(scores[i, j]):.2f}", ha="center", va="center", fontsize=6,
