@@ -590,6 +590,8 @@ def plot_frontier(curves: Mapping[str, list[dict]], metric: str, path: str | Pat
         ax.scatter([r[x] for r in rows], [r[metric] for r in rows], marker="s", s=30, zorder=3, label=label)
     ax.set_xlabel(xlabel or {"fraction": "FLOPs of the nested projections / dense", "rank": "rank"}.get(x, x))
     ax.set_ylabel(metric)
+    if metric in ("ppl", "perplexity"):
+        ax.set_yscale("log")  # truncation without training spans orders of magnitude
     if x in ("rank", "flops"):
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
