@@ -19,6 +19,16 @@ from mlpsurgery.train import FitConfig, lm_loss
 EXPORT_ARCHS = ("llama", "gpt2", "phi3", "bert")  # plain Linear, GPT-2 Conv1D, fused gate_up / qkv, encoder
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """conftest asks for 2 threads; on a shared 2-core machine the float64 SVD of `nest` then runs ~12x
+    slower (77 s against 6 s for MiniLM's 12 projections, measured), and these tiny models gain nothing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def lm_blocks(tokenizer, n=16, T_=24):
     ids = tokenizer(TEXT * 4)["input_ids"]
     return torch.tensor(ids[: n * T_]).view(n, T_)
@@ -268,7 +278,7 @@ def test_analysis_containment_and_interpolation(tokenizer):
     torch.testing.assert_close(C, lower, atol=1e-4, rtol=0)  # a larger space is never inside a smaller one
     blocks = lm_blocks(tokenizer)
     loss = lm_loss(model, blocks, 8)
-    rows = nsn.sweep(model, lambda: {"loss": float(loss(0))}, [2, 3, 4, 6, 8, 16, 32], progress=False)
+    rows = nsn.sweep(model, lambda: {"loss": float(loss(0).detach())}, [2, 3, 4, 6, 8, 16, 32], progress=False)
     assert [r["rank"] for r in rows] == [2, 3, 4, 6, 8, 16, 32]
     assert all(m.rank == 32 for m in nsn.nested_linears(model).values())  # restored
     check = nsn.interpolation_check(model, {r["rank"]: r["loss"] for r in rows}, trained=[2, 4, 8, 16, 32])
@@ -339,10 +349,9 @@ def test_classifier_training_through_the_pipeline(tmp_path):
 
 @pytest.mark.realmodel
 def test_minilm_full_rank_exact_and_half_budget(minilm):
-    from mlpsurgery.models import load_model
+    import copy
 
-    fresh = load_model("minilm")  # the session fixture is shared: nest a copy of our own
-    model, tok = fresh.model, fresh.tokenizer
+    model, tok = copy.deepcopy(minilm.model), minilm.tokenizer  # the session fixture is shared: nest a copy
     enc = tok(["Oil prices rose sharply today", "The company reported earnings"], padding=True, return_tensors="pt")
     with torch.no_grad():
         ref = model(**enc).last_hidden_state
