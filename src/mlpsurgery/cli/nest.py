@@ -1,0 +1,174 @@
+"""`mlpsurgery nest`: Nested Subspace Networks (one checkpoint, any compute budget at inference).
+
+    mlpsurgery nest [MODEL] --out DIR [--max-rank R] [--modules mlp|mlp+attn] [--data PATH] [--train-steps N]
+    mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested]
+    mlpsurgery nest sweep DIR [--data PATH] [--ranks r,r,...] [--plot PNG]
+
+Why one parser with a leading positional rather than argparse sub-commands: the default action takes an
+optional MODEL first (`nest --out DIR` must work, and so must `nest tiny:llama --out DIR`), which an
+argparse sub-command group cannot express (it would read MODEL as an unknown sub-command name, and options
+given before the sub-command would land in the wrong parser). So `nest` takes up to two leading words:
+`rank DIR`, `sweep DIR`, or `[MODEL]`; the words `rank` and `sweep` are never model names (a folder called
+so is reached as ./rank). Options belonging to another form are refused with a message, not ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import MLPSurgeryError
+from ..report import human_count, table
+from . import command, device_of
+from .core import MODEL_HELP
+
+ACTIONS = ("rank", "sweep")
+# The options each form accepts (argparse dests); the others must keep their defaults.
+TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
+              "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
+              "seed", "checkpoint", "overwrite"}
+RANK_OPTS = {"out", "rank", "budget", "form", "overwrite"}
+SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
+
+
+def _ranks(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise MLPSurgeryError(f"--ranks takes comma-separated integers such as 32,64,128, not {text!r}") from None
+
+
+def _check_options(args, parser: argparse.ArgumentParser, form: str, allowed: set[str]) -> None:
+    common = {"json", "quiet", "device", "words", "run", "render", "nest_parser"}
+    for dest in sorted(set(vars(args)) - allowed - common):
+        if getattr(args, dest) != parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            raise MLPSurgeryError(f"{flag} does not apply to `mlpsurgery nest{'' if form == 'train' else ' ' + form}`; "
+                                  "see `mlpsurgery nest --help`")
+
+
+def run_nest(args) -> dict:
+    from ..methods import nsn
+    from ..train import FitConfig
+
+    words, parser = args.words, args.nest_parser
+    if words and words[0] in ACTIONS:
+        action = words[0]
+        if len(words) != 2:
+            raise MLPSurgeryError(f"`mlpsurgery nest {action}` takes one folder: nest {action} DIR ...")
+        folder = words[1]
+        if action == "rank":
+            _check_options(args, parser, "rank", RANK_OPTS)
+            if not args.out:
+                raise MLPSurgeryError("`nest rank` needs --out DIR")
+            out = nsn.export_rank(folder, args.out, rank=args.rank, budget=args.budget, form=args.form,
+                                  overwrite=args.overwrite)
+            return {"action": "rank", **out}
+        _check_options(args, parser, "sweep", SWEEP_OPTS)
+        out = nsn.sweep_folder(folder, data=args.data, ranks=_ranks(args.ranks), max_tokens=args.max_tokens,
+                               block_len=args.block_len or 256, max_examples=args.max_examples, max_len=args.max_len,
+                               plot=args.plot or f"{folder.rstrip('/')}-sweep.png", device=device_of(args),
+                               progress=not args.quiet)
+        return {"action": "sweep", **out}
+    if len(words) > 1:
+        raise MLPSurgeryError(f"`mlpsurgery nest` takes at most one MODEL, got {words}; the forms are "
+                              "`nest [MODEL] --out DIR`, `nest rank DIR ...`, `nest sweep DIR ...`")
+    _check_options(args, parser, "train", TRAIN_OPTS)
+    if not args.out:
+        raise MLPSurgeryError("`mlpsurgery nest` needs --out DIR (where the nested model is saved)")
+    cfg = nsn.NSNConfig(max_rank=args.max_rank, modules=args.modules, layers=args.layers)
+    train = nsn.NSNTrainConfig(
+        ranks=_ranks(args.ranks), n_ranks=args.n_ranks, objective=args.objective, sampling=args.sampling,
+        curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
+        fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
+    out = nsn.nest_model(words[0] if words else None, args.out, cfg, train, data=args.data, batch_size=args.batch_size,
+                         block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
+                         overwrite=args.overwrite, device=device_of(args), progress=not args.quiet)
+    return {"action": "train", **out}
+
+
+def render(r: dict) -> str:
+    if r["action"] == "rank":
+        return (f"wrote {r['out']} ({r['form']}): rank {r['rank']}, {r['flops_fraction']:.1%} of the dense FLOPs of the "
+                f"nested projections; parameters {human_count(r['params_before'])} -> {human_count(r['params_after'])}"
+                f"; loads with {r['loads_with']}")
+    if r["action"] == "sweep":
+        rows = [{"rank": x["rank"], "FLOPs vs dense": f"{x['fraction']:.3f}",
+                 **{k: x[k] for k in ("accuracy", "ppl", "loss") if k in x}} for x in r["rows"]]
+        lines = [f"{r['model']}: {r['metric']} per rank on {r['data']}", table(rows)]
+        if r["log_var"]:
+            lines.append("learned log-variance per training rank: " +
+                         ", ".join(f"{k}: {v:.3f}" for k, v in sorted(r["log_var"].items())))
+        if r.get("plot"):
+            lines.append(f"plot: {r['plot']}")
+        return "\n".join(lines)
+    lines = [f"nested {r['projections']} projections of {r['model']} (max rank {r['max_rank']}; full rank costs "
+             f"{r['full_rank_flops_fraction']:.3f}x their dense FLOPs) -> {r['out']}"]
+    t = r.get("train")
+    if t:
+        lines.append(f"trained {t['steps']} steps ({t['objective']}, {t['sampling']}) on ranks {t['ranks']} in "
+                     f"{t['seconds']:.0f} s; final loss {t['final_loss']:.4g}")
+        if t["log_var"]:
+            lines.append("log-variance per rank: " + ", ".join(f"{k}: {v:.3f}" for k, v in t["log_var"].items()))
+    else:
+        lines.append("no training (--train-steps 0): SVD truncation only")
+    return "\n".join(lines)
+
+
+USAGE = """mlpsurgery nest [MODEL] --out DIR [--max-rank R] [--modules mlp|mlp+attn] [--data PATH] [--train-steps N]
+       mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested]
+       mlpsurgery nest sweep DIR [--data PATH] [--ranks r,r,...] [--plot PNG]"""
+
+
+def register(sub, groups) -> None:
+    p = command(sub, "nest", run_nest, render,
+                "Nested Subspace Networks: nest a model's MLPs (train them for every rank), fix a rank, sweep ranks",
+                usage=USAGE, epilog="MODEL: " + MODEL_HELP)
+    p.set_defaults(nest_parser=p)
+    p.add_argument("words", nargs="*", metavar="[MODEL] | rank DIR | sweep DIR",
+                   help="MODEL to nest and train (default smollm2); `rank DIR` fixes the rank of a nested folder; "
+                        "`sweep DIR` measures it at every rank")
+    p.add_argument("--out", help="output folder (nest, nest rank)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    g = p.add_argument_group("nest [MODEL]")
+    g.add_argument("--max-rank", type=int, help="components kept per projection (default min(in, out): exact)")
+    g.add_argument("--modules", choices=("mlp", "mlp+attn"), default="mlp", help="what to nest (mlp)")
+    g.add_argument("--layers", default="all", help="layers to nest: all, 0-5, last2/3 ... (all)")
+    g.add_argument("--data", help="training data: a corpus (file, folder, austen: language modelling) or a labelled "
+                                  "set (r8-train, .tab/.csv/.jsonl: classification with a new head). Default austen "
+                                  "for causal LMs, r8-train for encoders. For `sweep`: evaluation data (default: the "
+                                  "held-out split of austen, or r8-test)")
+    g.add_argument("--train-steps", type=int, default=0, help="multi-rank training steps (0: SVD init only)")
+    g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
+                                   "ranks to evaluate")
+    g.add_argument("--n-ranks", type=int, default=6, help="size of the default training rank set (6)")
+    g.add_argument("--objective", choices=("uncertainty", "two_ce", "anchor"), default="uncertainty")
+    g.add_argument("--sampling", choices=("curriculum", "uniform"), default="curriculum")
+    g.add_argument("--curriculum-end", type=float, default=0.5,
+                   help="fraction of training after which every variant rank can be drawn (0.5)")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--log-var-lr", type=float, default=1e-2, help="learning rate of the log-variances (1e-2)")
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--block-len", type=int, help="tokens per LM training block (128); for `sweep` the perplexity "
+                                                 "window (256)")
+    g.add_argument("--max-len", type=int, default=128, help="truncation of classification texts (128)")
+    g.add_argument("--train", choices=("nested", "all"), default="nested",
+                   help="nested: only the nested factors (+ a new classification head); all: every parameter")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--checkpoint", help="training checkpoint folder (default DIR.ckpt beside --out; removed after "
+                                        "the save; rerun the same command to resume)")
+
+    g = p.add_argument_group("nest rank DIR")
+    g.add_argument("--rank", type=int, help="the rank to fix (each projection capped at its max rank)")
+    g.add_argument("--budget", type=float, help="a FLOPs budget as a fraction of the dense FLOPs of the nested "
+                                                "projections: the largest rank that fits (e.g. 0.5)")
+    g.add_argument("--form", choices=("lowrank", "dense", "nested"), default="lowrank",
+                   help="lowrank: truncated factors (smaller, faster; mlpsurgery.load); dense: folded into the "
+                        "original shapes (plain transformers); nested: all components, this rank as default")
+
+    g = p.add_argument_group("nest sweep DIR")
+    g.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens scored per rank (LM; 8192)")
+    g.add_argument("--max-examples", type=int, default=1000, help="test examples per rank (classifier; 1000)")
+    g.add_argument("--plot", help="where the plot goes (default DIR-sweep.png)")
