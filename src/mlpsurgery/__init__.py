@@ -20,6 +20,8 @@ from .measure.perplexity import perplexity
 from .models import load_model
 from .sites import SUPPORTED, AttnWeights, MLPWeights, find_sites, generic_layers
 from .train import FitConfig, fit
+from .methods.corelocker import (CoreLockerConfig, find_ratio, lock_folder, lock_key, read_key, save_key,
+                                 unlock_folder, unlock_key, utility_curve)
 
 __all__ = [
     "__version__", "Capture", "capture_mlp_io", "LabelledSet", "TokenizedCorpus", "load_corpus", "read_corpus",
@@ -27,4 +29,6 @@ __all__ = [
     "UnsupportedArchitectureError", "export", "load", "save", "to_stock", "accuracy", "embed", "probe_accuracy",
     "compare_cost", "count_params", "flops_per_token", "inspect", "max_batch", "measure_cost", "perplexity",
     "load_model", "SUPPORTED", "AttnWeights", "MLPWeights", "find_sites", "generic_layers", "FitConfig", "fit",
+    "CoreLockerConfig", "find_ratio", "lock_folder", "lock_key", "read_key", "save_key", "unlock_folder", "unlock_key",
+    "utility_curve",
 ]

@@ -255,7 +255,8 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGro
             for mod in list(mlp.linears().values()) + list(attn.linears().values()):
                 groups.append(_weight_group(pnames[id(mod.weight)], mod.weight, cfg, len(groups)))
         if cfg.include_io:
-            seen = {id(p) for g in groups for p in [dict(model.named_parameters())[g.name]]}
+            params = dict(model.named_parameters())
+            seen = {id(params[g.name]) for g in groups}
             for gl in generic_layers(model):
                 if gl.role in ("input", "output") and id(gl.module.weight) not in seen:
                     seen.add(id(gl.module.weight))
@@ -484,15 +485,15 @@ class Ranking:
         self.sizes = [len(g) for g in groups]
         self.n_units = sum(self.sizes)
         if scope == "global":
-            scores = torch.cat([g.scores for g in groups])
+            scores = torch.cat([g.scores.float().cpu() for g in groups])
             k = min(self.n_units, math.ceil(max_ratio * self.n_units))
             top = torch.topk(scores, k, sorted=True).indices if k else torch.zeros(0, dtype=torch.long)
             starts = torch.tensor([0] + self.sizes[:-1]).cumsum(0)
             gid = torch.searchsorted(starts, top, right=True) - 1
             self.order = (gid, top - starts[gid])
         else:
-            self.order = [torch.topk(g.scores, min(len(g), math.ceil(max_ratio * len(g))), sorted=True).indices
-                          for g in groups]
+            self.order = [torch.topk(g.scores.float().cpu(), min(len(g), math.ceil(max_ratio * len(g))),
+                                     sorted=True).indices for g in groups]
         self.max_ratio = max_ratio
 
     def count(self, ratio: float) -> int:
@@ -536,7 +537,8 @@ def apply_extraction(model: nn.Module, extraction: Extraction) -> dict[str, Tens
     with torch.no_grad():
         for name, (pos, fill) in extraction.items():
             flat = _flat(params[name], name)
-            originals[name] = flat[pos].clone()
+            pos = pos.to(flat.device)
+            originals[name] = flat[pos].cpu().clone()
             flat[pos] = fill
     return originals
 
@@ -545,7 +547,8 @@ def restore_values(model: nn.Module, positions: dict[str, Tensor], values: dict[
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, pos in positions.items():
-            _flat(params[name], name)[pos] = values[name].to(params[name].dtype)
+            flat = _flat(params[name], name)
+            flat[pos.to(flat.device)] = values[name].to(device=flat.device, dtype=flat.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -593,14 +596,12 @@ def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = 
     extraction, n_units = ranking.take(cfg.ratio)
     values = apply_extraction(model, extraction)
     locked = tensor_hashes(model)
-    params = dict(model.named_parameters())
-    eligible_params = sum(params[n].numel() for n in extraction)
     header = {
         "format": KEY_FORMAT, "version": KEY_VERSION, "config": asdict(cfg),
         "model_class": type(model).__name__, "model_type": getattr(getattr(model, "config", None), "model_type", None),
         "units_extracted": n_units, "units_eligible": ranking.n_units,
-        "entries": sum(len(p) for p, _ in extraction.values()), "touched_params": eligible_params,
-        "model_params": sum(p.numel() for p in params.values()),
+        "entries": sum(len(p) for p, _ in extraction.values()),
+        "model_params": sum(p.numel() for p in model.parameters()),
         "locked_fingerprint": fingerprint(locked), "locked_tensors": locked, "original_fingerprint": original,
     }
     record(model, "corelocker", asdict(cfg), units_extracted=n_units, units_eligible=ranking.n_units,
@@ -624,7 +625,7 @@ def unlock_key(model: nn.Module, key: Key) -> None:
         if name not in params or len(pos) != len(key.values[name]) or \
                 (len(pos) and int(pos.max()) >= params[name].numel()):
             raise IntegrityError(f"the key's entry for {name} does not fit the model: the key was altered")
-    before = {n: _flat(params[n], n)[pos].clone() for n, pos in key.positions.items()}
+    before = {n: _flat(params[n], n)[pos.to(params[n].device)].cpu().clone() for n, pos in key.positions.items()}
     restore_values(model, key.positions, key.values)
     if fingerprint(tensor_hashes(model)) != key.header["original_fingerprint"]:
         restore_values(model, key.positions, before)
