@@ -87,6 +87,14 @@ def attacks(name: str, d: dict) -> str:
     return head + table(rows, markdown=True)
 
 
+def target(d: dict) -> str:
+    rows = [{"target (calibration)": pct(r["target"]), "ratio found": f"{r['ratio']:.5f}", "units": f"{r['units']:,}",
+             "calibration accuracy": pct(r["calibration_accuracy"]), "within ±" + pct(d["tolerance"]):
+             "yes" if r["within_tolerance"] else "no", "test accuracy": pct(r["test_accuracy"]),
+             "evaluations": r["evaluations"]} for r in d["rows"]]
+    return f"indicator {d['indicator']}, unit {d['unit']}; {d['seconds']:.0f} s\n\n" + table(rows, markdown=True)
+
+
 def main():
     for name in ("minilm", "cnn", "smollm2"):
         d = load(f"table1_{name}")
@@ -99,6 +107,10 @@ def main():
         if d:
             print(f"### Curve: {name}\n\ncommand: `{d['command']}`\n")
             print(curve(name, d), "\n")
+    d = load("target_cnn")
+    if d:
+        print(f"### Bisection to a target: cnn\n\ncommand: `{d['command']}`\n")
+        print(target(d), "\n")
     for name in ("minilm", "cnn"):
         d = load(f"attacks_{name}")
         if d:

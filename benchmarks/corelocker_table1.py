@@ -6,6 +6,7 @@ scale at the same extraction ratio (0.05 by default); then a lock -> unlock roun
 original and the restored model.
 
     python benchmarks/corelocker_table1.py minilm     # MiniLM fine-tuned on Reuters R8 (r8-test, 2189 docs)
+    python benchmarks/corelocker_table1.py minilm --sample 400 --seeds 3    # the reduced run in the docs
     python benchmarks/corelocker_table1.py cnn        # BatchNorm CNN on scikit-learn digits (360 test images)
     python benchmarks/corelocker_table1.py smollm2    # SmolLM2-135M, perplexity on held-out Persuasion
 """
@@ -68,6 +69,7 @@ def rows_for(model, metrics, ratio: float, random_seeds, extra_units=()) -> list
         t0 = time.perf_counter()
         rows.append({"setting": name, "unit": cfg.unit, **measure(model, metrics, cfg, seeds),
                      "seconds": time.perf_counter() - t0})
+        print({k: v for k, v in rows[-1].items() if k != "runs"}, file=sys.stderr, flush=True)
     for unit, indicator, seeds in extra_units:
         cfg = CoreLockerConfig(ratio=ratio, unit=unit, indicator=indicator)
         rows.append({"setting": f"{'CoreLocker ' + indicator if indicator != 'random' else 'random'} ({unit})",
@@ -124,6 +126,8 @@ def main():
     p.add_argument("--ratio", type=float, default=0.05)
     p.add_argument("--seeds", type=int, default=5, help="random-extraction seeds to average (5)")
     p.add_argument("--max-tokens", type=int, default=8192, help="SmolLM2: held-out tokens scored (8192)")
+    p.add_argument("--sample", type=int, default=0,
+                   help="MiniLM: score a stratified sample of this many R8 test documents (seed 0); 0: all 2189")
     args = p.parse_args()
     seeds = tuple(range(args.seeds))
     t0 = time.perf_counter()
@@ -133,8 +137,11 @@ def main():
         if args.model == "minilm":
             loaded = minilm_r8()
             _, _, test = r8_splits()
+            if args.sample and args.sample < len(test):
+                test = test.sample(args.sample, seed=0)
             metrics = r8_metrics(loaded.tokenizer, test)
-            result["data"] = f"Reuters R8 test, {len(test)} documents, {test.num_classes} classes"
+            sampled = f"stratified sample (seed 0) of {len(test)}" if args.sample else f"{len(test)}"
+            result["data"] = f"Reuters R8 test, {sampled} documents, {test.num_classes} classes"
             result["rows"] = rows_for(loaded.model, metrics, args.ratio, seeds,
                                       extra_units=[("neuron", "l1", (0,)), ("head", "l1", (0,))])
             result["restoration"] = restoration(loaded.model, loaded.tokenizer, args.ratio, work)
