@@ -3,6 +3,7 @@ paper's Fig. 6 and Tables 5-6), for each indicator, on the three models; then on
 
     python benchmarks/corelocker_curve.py cnn
     python benchmarks/corelocker_curve.py minilm     # on a stratified 600-document sample of R8 test
+    python benchmarks/corelocker_curve.py minilm --sample 200 --series "CoreLocker l1"   # the reduced run in the docs
     python benchmarks/corelocker_curve.py smollm2    # perplexity on 4096 held-out tokens
     python benchmarks/corelocker_curve.py plot       # docs/img/corelocker_curve.png from the three JSON files
 """
@@ -89,6 +90,8 @@ def main():
     p.add_argument("model", choices=("minilm", "cnn", "smollm2", "plot"))
     p.add_argument("--sample", type=int, default=600, help="MiniLM: R8 test documents (stratified, seed 0)")
     p.add_argument("--max-tokens", type=int, default=4096, help="SmolLM2: held-out tokens")
+    p.add_argument("--series", default=None,
+                   help="comma-separated series labels to run (default all), e.g. 'CoreLocker l1'")
     args = p.parse_args()
     if args.model == "plot":
         print(f"wrote {plot()}")
@@ -119,7 +122,9 @@ def main():
             return {"perplexity": ppl(m)}
 
         data = f"held-out Persuasion, first {args.max_tokens} tokens"
-    series = {label: curve(model, metrics, cfg, RATIOS) for label, cfg in series_for(args.model)}
+    wanted = None if args.series is None else {s.strip() for s in args.series.split(",")}
+    series = {label: curve(model, metrics, cfg, RATIOS) for label, cfg in series_for(args.model)
+              if wanted is None or label in wanted}
     path = write_json(f"curve_{args.model}.json", {"model": args.model, "data": data, "ratios": RATIOS,
                                                    "series": series, "machine": machine(),
                                                    "command": " ".join(sys.argv),

@@ -101,7 +101,8 @@ def main():
         if d:
             print(f"### Table 1: {name}\n\ncommand: `{d['command']}`\n")
             print(table1(name, d), "\n")
-            print(restoration(name, d), "\n")
+            if d.get("restoration"):
+                print(restoration(name, d), "\n")
     for name in ("minilm", "cnn", "smollm2"):
         d = load(f"curve_{name}")
         if d:

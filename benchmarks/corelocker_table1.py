@@ -6,7 +6,7 @@ scale at the same extraction ratio (0.05 by default); then a lock -> unlock roun
 original and the restored model.
 
     python benchmarks/corelocker_table1.py minilm     # MiniLM fine-tuned on Reuters R8 (r8-test, 2189 docs)
-    python benchmarks/corelocker_table1.py minilm --sample 400 --seeds 3    # the reduced run in the docs
+    python benchmarks/corelocker_table1.py minilm --sample 200 --seeds 2 --core-only   # the reduced run in the docs
     python benchmarks/corelocker_table1.py cnn        # BatchNorm CNN on scikit-learn digits (360 test images)
     python benchmarks/corelocker_table1.py smollm2    # SmolLM2-135M, perplexity on held-out Persuasion
 """
@@ -128,6 +128,8 @@ def main():
     p.add_argument("--max-tokens", type=int, default=8192, help="SmolLM2: held-out tokens scored (8192)")
     p.add_argument("--sample", type=int, default=0,
                    help="MiniLM: score a stratified sample of this many R8 test documents (seed 0); 0: all 2189")
+    p.add_argument("--core-only", action="store_true",
+                   help="only the paper's four rows: no neuron / head rows, no lock -> unlock round trip through files")
     args = p.parse_args()
     seeds = tuple(range(args.seeds))
     t0 = time.perf_counter()
@@ -143,8 +145,9 @@ def main():
             sampled = f"stratified sample (seed 0) of {len(test)}" if args.sample else f"{len(test)}"
             result["data"] = f"Reuters R8 test, {sampled} documents, {test.num_classes} classes"
             result["rows"] = rows_for(loaded.model, metrics, args.ratio, seeds,
-                                      extra_units=[("neuron", "l1", (0,)), ("head", "l1", (0,))])
-            result["restoration"] = restoration(loaded.model, loaded.tokenizer, args.ratio, work)
+                                      extra_units=[] if args.core_only else [("neuron", "l1", (0,)), ("head", "l1", (0,))])
+            result["restoration"] = {} if args.core_only else restoration(loaded.model, loaded.tokenizer, args.ratio,
+                                                                           work)
         elif args.model == "cnn":
             model = digits_cnn()
             _, _, xte, yte = digits()
