@@ -3,7 +3,8 @@ paper's Fig. 6 and Tables 5-6), for each indicator, on the three models; then on
 
     python benchmarks/corelocker_curve.py cnn
     python benchmarks/corelocker_curve.py minilm     # on a stratified 600-document sample of R8 test
-    python benchmarks/corelocker_curve.py minilm --sample 200 --series "CoreLocker l1"   # the reduced run in the docs
+    python benchmarks/corelocker_curve.py minilm --sample 200 --series "CoreLocker l1,CoreLocker scale" \\
+        --ratios 1e-4,1e-3,5e-3,1e-2,2e-2,5e-2,0.1,0.2                # the reduced run in the docs
     python benchmarks/corelocker_curve.py smollm2    # perplexity on 4096 held-out tokens
     python benchmarks/corelocker_curve.py plot       # docs/img/corelocker_curve.png from the three JSON files
 """
@@ -90,6 +91,7 @@ def main():
     p.add_argument("model", choices=("minilm", "cnn", "smollm2", "plot"))
     p.add_argument("--sample", type=int, default=600, help="MiniLM: R8 test documents (stratified, seed 0)")
     p.add_argument("--max-tokens", type=int, default=4096, help="SmolLM2: held-out tokens")
+    p.add_argument("--ratios", default=None, help="comma-separated ratios (default 1e-4 ... 5e-2, 9 points)")
     p.add_argument("--series", default=None,
                    help="comma-separated series labels to run (default all), e.g. 'CoreLocker l1'")
     args = p.parse_args()
@@ -123,9 +125,10 @@ def main():
 
         data = f"held-out Persuasion, first {args.max_tokens} tokens"
     wanted = None if args.series is None else {s.strip() for s in args.series.split(",")}
-    series = {label: curve(model, metrics, cfg, RATIOS) for label, cfg in series_for(args.model)
+    ratios = RATIOS if args.ratios is None else tuple(float(r) for r in args.ratios.split(","))
+    series = {label: curve(model, metrics, cfg, ratios) for label, cfg in series_for(args.model)
               if wanted is None or label in wanted}
-    path = write_json(f"curve_{args.model}.json", {"model": args.model, "data": data, "ratios": RATIOS,
+    path = write_json(f"curve_{args.model}.json", {"model": args.model, "data": data, "ratios": ratios,
                                                    "series": series, "machine": machine(),
                                                    "command": " ".join(sys.argv),
                                                    "seconds": time.perf_counter() - t0})
