@@ -83,7 +83,9 @@ def attacks(name: str, d: dict) -> str:
         rows.append({"attack": "reference: same fine-tuning from a model that never saw the task",
                      "setting": f"{100 * r['setting']:.0f}%", "accuracy": pct(r["accuracy"]), "recovered Δ": "-"})
     head = (f"**{name}** — locked with {d['indicator']} at {d['ratio']} (original {pct(d['original'])}); "
-            f"{d['data']}; fine-tuning: {d['epochs']} epochs, lr {d['lr']}, {d['trials']} trials; {d['seconds']:.0f} s\n\n")
+            f"{d['data']}" + (f"; fine-tuning: {d['epochs']} epochs, lr {d['lr']}, {d['trials']} trials"
+                              if any(r["attack"] == "fine-tune" for r in t["rows"]) else "; pruning only")
+            + f"; {d['seconds']:.0f} s\n\n")
     return head + table(rows, markdown=True)
 
 
