@@ -51,10 +51,12 @@ def main():
     p.add_argument("--lr", type=float, default=None, help="attack learning rate (minilm 5e-5, cnn 1e-3)")
     p.add_argument("--eval-sample", type=int, default=1000, help="MiniLM: R8 test documents (stratified, seed 0)")
     p.add_argument("--reference-trials", type=int, default=1, help="trials of the from-scratch reference")
+    p.add_argument("--fractions", default="0.05,0.1", help="fine-tuning data fractions (0.05,0.1)")
     p.add_argument("--prune-only", action="store_true", help="only the pruning attacks (no fine-tuning, no reference)")
     args = p.parse_args()
     t0 = time.perf_counter()
-    fractions, sparsities = ((), (0.2, 0.4)) if args.prune_only else ((0.05, 0.10), (0.2, 0.4))
+    fractions = () if args.prune_only else tuple(float(f) for f in args.fractions.split(","))
+    sparsities = (0.2, 0.4)
     if args.model == "cnn":
         indicator, epochs, lr = args.indicator or "l1", args.epochs or 10, args.lr or 1e-3
         model = digits_cnn()
