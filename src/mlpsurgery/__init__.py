@@ -17,6 +17,8 @@ from .io import export, load, save, to_stock
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
 from .measure.perplexity import perplexity
+from .methods.corelocker import (CoreLockerConfig, find_ratio, lock_folder, lock_key, read_key, save_key,
+                                 unlock_folder, unlock_key, utility_curve)
 from .methods.nsn import NSNConfig, NSNTrainConfig, nest, set_budget, set_rank, train_nsn
 from .models import load_model
 from .modules.nested import NestedLinear
@@ -30,4 +32,6 @@ __all__ = [
     "compare_cost", "count_params", "flops_per_token", "inspect", "max_batch", "measure_cost", "perplexity",
     "load_model", "SUPPORTED", "AttnWeights", "MLPWeights", "find_sites", "generic_layers", "FitConfig", "fit",
     "NSNConfig", "NSNTrainConfig", "nest", "set_budget", "set_rank", "train_nsn", "NestedLinear",
+    "CoreLockerConfig", "find_ratio", "lock_folder", "lock_key", "read_key", "save_key", "unlock_folder", "unlock_key",
+    "utility_curve",
 ]

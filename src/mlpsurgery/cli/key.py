@@ -1,0 +1,188 @@
+"""CoreLocker commands: `lock key` (extract an access key), `unlock` (restore with it), `attack key`
+(fine-tuning and pruning attacks on a locked model). Passphrases come from $MLPSURGERY_PASSPHRASE or a
+prompt, never from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..report import human_bytes, table
+from . import command, device_of
+from .core import MODEL_HELP
+
+TASKS = ("auto", "causal-lm", "encoder", "classifier")
+
+
+def _load(args):
+    from ..models import load_model
+
+    loaded = load_model(args.model, task=args.task)
+    loaded.model.to(device_of(args))
+    return loaded
+
+
+def _floats(text: str) -> list[float]:
+    from ..errors import MLPSurgeryError
+
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MLPSurgeryError(f"{text!r} is not a comma-separated list of numbers, e.g. 0.05,0.1") from None
+
+
+# ---- lock key ---------------------------------------------------------------------------------------
+
+def run_lock(args) -> dict:
+    from ..methods.corelocker import CoreLockerConfig, default_utility, lock_folder, passphrase_from_user, plot_curves
+
+    cfg = CoreLockerConfig(ratio=args.ratio if args.ratio is not None else 0.0, indicator=args.indicator,
+                           unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
+    cfg.validate()
+    passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
+    loaded = _load(args)
+    needs_utility = args.target_utility is not None or args.measure
+    utility = default_utility(loaded.model, loaded.tokenizer, args.data, args.calib_size) if needs_utility else None
+    res = lock_folder(loaded.model, args.out, args.key, cfg, tokenizer=loaded.tokenizer, passphrase=passphrase,
+                      target=args.target_utility, utility=utility, tolerance=args.tolerance, max_ratio=args.max_ratio,
+                      measure=args.measure, overwrite=args.overwrite, progress=not (args.quiet or args.json))
+    if args.plot and "search" in res:
+        metric = res["utility"]["metric"]
+        res["plot"] = str(plot_curves({f"{cfg.indicator} / {cfg.unit}": res["search"]["curve"]}, metric, args.plot,
+                                      title=f"CoreLocker on {loaded.source}", chance=res["utility"]["chance"]
+                                      if metric.endswith("accuracy") else None, logy=metric == "perplexity"))
+    res["model"] = loaded.source
+    return res
+
+
+def render_lock(r: dict) -> str:
+    c = r["config"]
+    lines = [f"locked {r['model']} into {r['locked']} (a plain transformers checkpoint; useless without the key)",
+             f"  extracted {r['units_extracted']:,} of {r['units_eligible']:,} {c['unit']} units (ratio {c['ratio']:.6g}, "
+             f"indicator {c['indicator']}, {c['scope']} ranking) = {r['entries']:,} weights",
+             f"  key {r['key']}: {human_bytes(r['key_bytes'])} ({r['key_bytes']:,} bytes"
+             + (f", {r['key_bytes'] / r['model_bytes']:.2%} of the {human_bytes(r['model_bytes'])} weights file"
+                if r.get("model_bytes") else "") + ")" + (", encrypted" if r["encrypted"] else ", NOT encrypted")]
+    u = r.get("utility")
+    if u:
+        chance = f" (chance {u['chance']:.3g})" if u.get("chance") and u["metric"].endswith("accuracy") else ""
+        lines.append(f"  {u['metric']} on {u['data']}: original {u['original']:.4g} -> locked {u['locked']:.4g}{chance}")
+    s = r.get("search")
+    if s:
+        state = "reached" if s["within_tolerance"] else "closest point to"
+        lines.append(f"  {state} the target {s['target']:g} +- {s['tolerance']:.3g} at ratio {s['ratio']:.6g}; "
+                     "evaluated ratio -> utility:")
+        lines.append("    " + table(s["curve"]).replace("\n", "\n    "))
+    if r.get("plot"):
+        lines.append(f"  curve plotted to {r['plot']}")
+    return "\n".join(lines)
+
+
+# ---- unlock -----------------------------------------------------------------------------------------
+
+def run_unlock(args) -> dict:
+    from ..methods.corelocker import is_sealed, passphrase_from_user, unlock_folder
+
+    passphrase = passphrase_from_user() if is_sealed(args.key) else None
+    return unlock_folder(args.dir, args.key, args.out, passphrase=passphrase, overwrite=args.overwrite)
+
+
+def render_unlock(r: dict) -> str:
+    return (f"unlocked {r['from']} with {r['key']} into {r['unlocked']}: {r['entries_restored']:,} weights restored; "
+            f"every tensor matches the original model's fingerprint {r['original_fingerprint'][:16]}...")
+
+
+# ---- attack key -------------------------------------------------------------------------------------
+
+def run_attack(args) -> dict:
+    from ..data import load_corpus, read_labelled
+    from ..methods.corelocker import (attack_table, classifier_finetune, classifier_utility, lm_finetune,
+                                      lm_utility)
+
+    loaded = _load(args)
+    model, tok = loaded.model, loaded.require_tokenizer()
+    progress = not (args.quiet or args.json)
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        train = read_labelled(args.data or "r8-train")
+        test = read_labelled(args.eval_data or "r8-test", classes=train.classes)
+        if args.eval_size and len(test) > args.eval_size:
+            test = test.sample(args.eval_size, seed=0)
+        utility = classifier_utility(tok, test, balanced=args.balanced)
+        make_loss = classifier_finetune(tok, train, batch_size=args.batch_size, epochs=args.epochs)
+    else:
+        corpus = load_corpus(args.data, tok)
+        utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096)
+        make_loss = lm_finetune(corpus.blocks("train", args.block_len), batch_size=args.batch_size, epochs=args.epochs)
+    res = attack_table(model, utility, make_loss, finetune=_floats(args.finetune), prune=_floats(args.prune),
+                       trials=args.trials, lr=args.lr, progress=progress)
+    res["model"] = loaded.source
+    return res
+
+
+def render_attack(r: dict) -> str:
+    m = r["metric"]
+    rows = [{"attack": x["attack"], "setting": x["setting"], m: f"{x[m]:.4g}", "std": f"{x['std']:.3g}",
+             "delta vs locked": f"{x['delta']:+.4g}"} for x in r["rows"]]
+    return (f"attacks on {r['model']} ({m} on {r['data']}; locked: {r['locked']:.4g}; "
+            f"{'higher' if r['higher_is_better'] else 'lower'} is better)\n" + table(rows))
+
+
+def register(sub, groups) -> None:
+    p = command(groups["lock"], "key", run_lock, render_lock,
+                "CoreLocker: extract the most important weights as an access key; the locked folder is a plain "
+                "transformers checkpoint that is useless without it")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="folder for the locked model (what you hand out)")
+    p.add_argument("--key", required=True, help="file for the access key (keep it; never inside --out)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--ratio", type=float, help="fraction of eligible units to extract, e.g. 0.05")
+    how.add_argument("--target-utility", type=float,
+                     help="extract just enough to bring the utility here (accuracy for a classifier, e.g. 0.5; "
+                          "perplexity for a causal LM, e.g. 200), found by bisection on calibration data")
+    p.add_argument("--indicator", choices=("l1", "scale", "random"), default="l1",
+                   help="how units are ranked: |w| sums (l1), normalisation scale factors (scale), or at random (the "
+                        "baseline) (l1)")
+    p.add_argument("--unit", choices=("weight", "neuron", "head", "filter"), default="weight",
+                   help="what is extracted: single weights, MLP neurons, attention heads, conv filters (weight)")
+    p.add_argument("--scope", choices=("global", "layer"), default="global",
+                   help="rank across all layers, or take the ratio in every layer (global)")
+    p.add_argument("--include-io", action="store_true", help="also extract from the embeddings and the output layer")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random indicator (0)")
+    p.add_argument("--encrypt", action="store_true",
+                   help=f"seal the key with a passphrase (AES-256-GCM, scrypt); read from $MLPSURGERY_PASSPHRASE "
+                        "or a prompt")
+    p.add_argument("--task", choices=TASKS, default="auto",
+                   help="model head to load: auto (as saved / LM for decoders), classifier, causal-lm, encoder")
+    p.add_argument("--data", help="calibration data: a labelled set for classifiers (r8-train), a corpus for LMs "
+                                  "(austen, held-out split)")
+    p.add_argument("--calib-size", type=int, help="calibration examples (256) or held-out tokens (4096)")
+    p.add_argument("--tolerance", type=float,
+                   help="how close to the target counts as reached (0.025 accuracy; 5%% of a perplexity target)")
+    p.add_argument("--max-ratio", type=float, default=0.5, help="largest ratio the bisection may use (0.5)")
+    p.add_argument("--measure", action="store_true", help="with --ratio: measure the utility before and after")
+    p.add_argument("--plot", help="with --target-utility: draw the evaluated ratio -> utility curve to this PNG")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder / --key file")
+
+    p = command(sub, "unlock", run_unlock, render_unlock,
+                "restore a CoreLocker-locked folder with its key, bit for bit (a wrong, truncated or tampered key, or "
+                "a wrong passphrase, is refused and nothing is written)")
+    p.add_argument("dir", help="the locked folder")
+    p.add_argument("--key", required=True, help="the key file written by `mlpsurgery lock key`")
+    p.add_argument("--out", required=True, help="folder for the restored model")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = command(groups["attack"], "key", run_attack, render_attack,
+                "attack a CoreLocker-locked model: fine-tune it on a fraction of the training data, prune it; "
+                "report the utility recovered (the paper's Tables 2-3)")
+    p.add_argument("model", nargs="?", help="the locked folder (or any MODEL)")
+    p.add_argument("--task", choices=TASKS, default="auto")
+    p.add_argument("--finetune", default="0.05,0.1", help="fractions of the training data to fine-tune on (0.05,0.1)")
+    p.add_argument("--prune", default="0.2,0.4", help="magnitude-pruning sparsities (0.2,0.4)")
+    p.add_argument("--trials", type=int, default=3, help="fine-tuning trials, each on a freshly drawn subset (3)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the fine-tuning subset (3)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--block-len", type=int, default=256, help="LM fine-tuning block length (256)")
+    p.add_argument("--data", help="training data: labelled set (r8-train) or corpus (austen)")
+    p.add_argument("--eval-data", help="labelled test set for classifiers (r8-test)")
+    p.add_argument("--eval-size", type=int, help="test examples (all) / held-out tokens for LMs (4096)")
+    p.add_argument("--balanced", action="store_true", help="classifiers: balanced accuracy (mean per-class recall)")
