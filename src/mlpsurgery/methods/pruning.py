@@ -96,8 +96,8 @@ def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128
     """SparseGPT (Frantar & Alistarh 2023): W with a `sparsity` fraction of its entries zeroed and the rest
     updated to minimise ||W X - W' X||^2 (optimal brain surgeon column by column with the Cholesky factor
     of H^-1). The mask is chosen adaptively per block of `blocksize` columns by w^2 / [H^-1]_jj^2."""
-    W = W.detach().clone().float()
-    H = H.detach().clone().float()
+    W = W.detach().float().clone(memory_format=torch.contiguous_format)
+    H = H.detach().float().clone(memory_format=torch.contiguous_format)
     cols = W.shape[1]
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -112,7 +112,7 @@ def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128
         Hinv1 = Hinv[i1:i2, i1:i2]
         scores = W1 ** 2 / torch.diag(Hinv1)[None, :] ** 2
         k = int(scores.numel() * sparsity)
-        mask1 = torch.zeros_like(W1, dtype=torch.bool)
+        mask1 = torch.zeros(W1.shape, dtype=torch.bool, device=W1.device)
         if k > 0:
             mask1.view(-1)[scores.flatten().argsort()[:k]] = True
         for i in range(i2 - i1):
@@ -183,30 +183,49 @@ def _sparsity_of(sparsity: float | dict, name: str) -> float:
     return s
 
 
-def calibrated_prune(model: nn.Module, data: Tensor, sparsity: float | dict, method: str, parts: str = "both",
-                     layers: list[int] | None = None, batch_size: int = 8, progress: bool = True) -> dict:
-    """Wanda or SparseGPT, in place, layer by layer. sparsity: one fraction, or {"attn": a, "ffn": f}."""
+def layer_moments(model: nn.Module, data: Tensor, parts: str = "both", layers: list[int] | None = None,
+                  batch_size: int = 8) -> dict[int, dict[str, Tensor]]:
+    """Input moments H of every prunable linear of the chosen layers, on the model as it is, in one pass:
+    {layer: {"ffn.up": H, "attn.q": H, ...}} (what a non-sequential `calibrated_prune` uses)."""
+    sites = find_sites(model)
+    layers = list(range(len(sites))) if layers is None else sorted(layers)
+    linears = {f"{i}.{n}": m for i in layers for n, m in _layer_linears(sites, i, parts).items()}
+    flat = input_moments(model, data, linears, stop_after=layers[-1], batch_size=batch_size)
+    return {i: {n.split(".", 1)[1]: h for n, h in flat.items() if int(n.split(".", 1)[0]) == i} for i in layers}
+
+
+def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | dict, method: str, parts: str = "both",
+                     layers: list[int] | None = None, batch_size: int = 8, sequential: bool = True,
+                     moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True) -> dict:
+    """Wanda or SparseGPT, in place. sparsity: one fraction, or {"attn": a, "ffn": f}.
+
+    sequential (the papers' procedure): layer l's input moments are measured with the layers before it
+    already pruned, one partial forward pass per layer. sequential=False measures all layers once on the
+    dense model (one pass; or pass `moments` from `layer_moments` to reuse them across sparsities)."""
     if method not in ("wanda", "sparsegpt"):
         raise MLPSurgeryError(f"calibrated pruning is wanda or sparsegpt, not {method!r}")
     if parts not in PARTS:
         raise MLPSurgeryError(f"parts must be one of {', '.join(PARTS)}, not {parts!r}")
-    if data is None or data.dim() != 2 or len(data) == 0:
+    if moments is None and (data is None or data.dim() != 2 or len(data) == 0):
         raise MLPSurgeryError(f"{method} needs calibration blocks: a non-empty (N, T) tensor of token ids "
                               "(--data and --calib-blocks on the command line)")
     sites = find_sites(model)
     layers = list(range(len(sites))) if layers is None else sorted(layers)
+    if moments is None and not sequential:
+        moments = layer_moments(model, data, parts, layers, batch_size)
     for i in tqdm(layers, desc=method, unit="layer", disable=not progress):
         linears = _layer_linears(sites, i, parts)
-        moments = input_moments(model, data, linears, stop_after=i, batch_size=batch_size)
+        h = moments[i] if moments is not None else input_moments(model, data, linears, stop_after=i,
+                                                                  batch_size=batch_size)
         for name, mod in linears.items():
             s = _sparsity_of(sparsity, name)
             W, _ = linear_weight(mod)
             with torch.no_grad():
                 if method == "wanda":
-                    W.mul_(wanda_mask(W.float(), torch.diag(moments[name]), s).to(W.dtype))
+                    W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s).to(W.dtype))
                 else:
-                    W.copy_(sparsegpt_matrix(W, moments[name], s).to(W.dtype))
-    return _report(model, method, parts, layers, sparsity)
+                    W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
+    return {**_report(model, method, parts, layers, sparsity), "sequential": moments is None}
 
 
 def _report(model: nn.Module, method: str, parts: str, layers, sparsity) -> dict:

@@ -1,0 +1,85 @@
+"""Train the models behind docs/twist.md: SmolLM2 fine-tuned on the five training novels of the bundled
+Austen corpus, data parallel (the baseline) and with TwIST at several subnet ratios, all for the same
+number of batches per worker on the same shards.
+
+Each model is one `mlpsurgery twist train` command (printed before it runs); TwIST runs use true mode
+with one gloo process per worker under torchrun. A finished model (its folder exists) is skipped; an
+interrupted one resumes from its checkpoint when the script is run again.
+
+    OMP_NUM_THREADS=1 flock -s /tmp/mlpsurgery.lock python benchmarks/twist_models.py --out runs/twist/models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name: (mode, parts, keep X of R = 12)
+RUNS = {
+    "dp": ("dp", "both", 4),
+    "both-4": ("true", "both", 4),
+    "ffn-4": ("true", "ffn", 4),
+    "attn-4": ("true", "attn", 4),
+    "ffn-6": ("true", "ffn", 6),
+    "ffn-8": ("true", "ffn", 8),
+}
+
+
+def command(name: str, args) -> list[str]:
+    mode, parts, keep = RUNS[name]
+    common = ["twist", "train", "smollm2", "--mode", mode, "--workers", str(args.workers), "--blocks", "12",
+              "--keep", str(keep), "--parts", parts, "--steps", str(args.steps), "--interval", str(args.interval),
+              "--batch-size", str(args.batch_size), "--block-len", str(args.block_len), "--lr", str(args.lr),
+              "--seed", str(args.seed), "--out", str(Path(args.out) / name), "--json", "--quiet"]
+    if mode == "dp":
+        return [sys.executable, "-m", "mlpsurgery", *common]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
+            "-m", "mlpsurgery", *common]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/twist/models")
+    ap.add_argument("--only", nargs="*", choices=list(RUNS), help="train only these")
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--interval", type=int, default=15)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--block-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    for name in args.only or RUNS:
+        folder = Path(args.out) / name
+        if (folder / "surgery.json").exists():
+            print(f"{name}: done ({folder})", flush=True)
+            continue
+        cmd = command(name, args)
+        shown = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, "python")
+        print(f"{name}: {shown}", flush=True)
+        t0 = time.time()
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        (Path(args.out) / f"{name}.log").write_text(r.stdout + "\n" + r.stderr)
+        if r.returncode != 0:
+            print(r.stderr[-4000:], file=sys.stderr)
+            sys.exit(f"{name} failed (exit {r.returncode}); rerun to resume from its checkpoint")
+        extra = json.loads((folder / "surgery.json").read_text()).get("extra", {})
+        history = extra.get("twist_history", [])
+        summary = {"name": name, "command": shown, "wall_s": time.time() - t0, "history": history,
+                   "ranks": extra.get("twist_ranks", [])}
+        (Path(args.out) / f"{name}.json").write_text(json.dumps(summary, indent=2))
+        print(f"{name}: final loss {history[-1]['loss']:.4f}, {summary['wall_s']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
