@@ -50,6 +50,8 @@ def run_train(args) -> dict:
             torch.cuda.set_device(device)
         rank, world = init_distributed(device)
     ckpt = Path(args.checkpoint) if args.checkpoint else Path(args.out).with_name(Path(args.out).name + ".checkpoint")
+    if args.no_checkpoint:
+        ckpt = None
     model = blocks = loaded = None
     if rank == 0:
         _free_out(args.out, args.overwrite)
@@ -59,14 +61,17 @@ def run_train(args) -> dict:
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.max_blocks,
                                seed=args.seed if args.max_blocks else None)
         model = loaded.model
-    res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=ckpt if rank == 0 else None,
-                      progress=not args.quiet)
+    # TwIST checkpoints on rank 0 (the central model); DDP ranks each keep their own copy
+    own = ckpt if rank == 0 or args.mode == "dp" else None
+    res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=own, progress=not args.quiet)
     if rank != 0:
         return {"rank": rank, **res.ranks[0]} if res.ranks else {"rank": rank}
     model.eval()
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite,
-         extra={"twist_history": res.history, "twist_ranks": res.ranks})
-    shutil.rmtree(ckpt, ignore_errors=True)
+         extra={"twist_history": res.history, "twist_ranks": res.ranks, "twist_seconds": res.seconds,
+                "twist_mode": args.mode, "world_size": world})
+    if ckpt is not None:
+        shutil.rmtree(ckpt, ignore_errors=True)
     return {"out": args.out, "model": loaded.source, "mode": args.mode, "workers": cfg.workers, "world_size": world,
             "kappa": f"{cfg.keep}/{cfg.blocks}", "parts": cfg.parts, "rounds": res.rounds, "steps": res.steps,
             "resumed_from_round": res.resumed_from, "seconds": res.seconds, "data_blocks": list(blocks.shape),
@@ -184,6 +189,7 @@ def register(sub, groups) -> None:
     p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun resumes from it)")
+    p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(g, "extract", run_extract, render_extract,

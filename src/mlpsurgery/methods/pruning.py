@@ -282,26 +282,33 @@ def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, pr
     return fisher
 
 
+def fisher_subnet(fisher: dict[tuple[str, int], Tensor], layout):
+    """Per layer, the N_sub blocks of highest Fisher (scores from `block_fisher`, possibly computed once for a
+    wider layout and reused across sparsities)."""
+    from .twist import Subnet
+
+    def top(scores: Tensor, k: int) -> list[int]:
+        return sorted(scores.topk(k).indices.tolist())
+
+    return Subnet(attn={i: top(fisher[("attn", i)], layout.attn_sub[i]) for i in layout.attn_full},
+                  mlp={i: top(fisher[("ffn", i)], layout.ffn_sub) for i in layout.mlp_h})
+
+
 def fisher_block_prune(model: nn.Module, data: Tensor, keep: int, blocks: int = 12, parts: str = "both",
                        layers: list[int] | None = None, attn_keep: int | None = None, batch_size: int = 4,
                        progress: bool = True) -> tuple[nn.Module, dict]:
     """Keep, per layer, the `keep` of `blocks` MLP chunks (and attn_keep KV groups) of highest Fisher; the
     others are removed physically (no rescaling: the baseline masks blocks as trained). Returns a new model."""
-    from .twist import Subnet, make_layout, materialize
+    from .twist import make_layout, materialize
 
     layers = list(range(len(find_sites(model)))) if layers is None else layers
     layout = make_layout(model, parts, layers, blocks, keep, attn_keep)
     fisher = block_fisher(model, data, layout, batch_size=batch_size, progress=progress)
-
-    def top(scores: Tensor, k: int) -> list[int]:
-        return sorted(scores.topk(k).indices.tolist())
-
-    subnet = Subnet(attn={i: top(fisher[("attn", i)], layout.attn_sub[i]) for i in layout.attn_full},
-                    mlp={i: top(fisher[("ffn", i)], layout.ffn_sub) for i in layout.mlp_h})
+    subnet = fisher_subnet(fisher, layout)
     new = materialize(model, layout, subnet, rescale=False)
     config = {"keep": keep, "blocks": blocks, "parts": parts, "layers": layers, "attn_keep": attn_keep}
     record(new, "fisher-block-prune", config, calibration=list(data.shape),
-           subnet={"attn": {str(k): v for k, v in subnet.attn.items()}, "mlp": {str(k): v for k, v in subnet.mlp.items()}})
+           subnet=subnet.as_dict())
     return new, {"method": "fisher", "parts": parts, **config,
                  "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()}}
 

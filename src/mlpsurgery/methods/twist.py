@@ -136,6 +136,10 @@ class Subnet:
     attn: dict[int, list[int]] = field(default_factory=dict)  # layer -> KV groups
     mlp: dict[int, list[int]] = field(default_factory=dict)  # layer -> MLP chunks
 
+    def as_dict(self) -> dict:
+        """JSON form (layer numbers as strings), as recorded in manifests."""
+        return {"attn": {str(k): v for k, v in self.attn.items()}, "mlp": {str(k): v for k, v in self.mlp.items()}}
+
 
 @dataclass
 class Layout:
@@ -413,7 +417,8 @@ class Aggregator:
         for i, acc in self.attn.items():
             per_group = self.attn_n[i]
             if (per_group == 0).any():
-                raise AssertionError(f"layer {i}: KV groups {per_group.eq(0).nonzero().flatten().tolist()} held by no subnet")
+                missing = per_group.eq(0).nonzero().flatten().tolist()
+                raise AssertionError(f"layer {i}: KV groups {missing} held by no subnet")
             per_head = per_group.repeat_interleave(acc.group_size)
 
             def div(t, n):
@@ -803,7 +808,8 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
             del gathered
         if rank == 0:
             flat_losses = [v for row in losses for v in row]
-            rec = {"round": r + 1, "step": r * cfg.interval + len(losses[0]), "loss": sum(flat_losses) / len(flat_losses),
+            rec = {"round": r + 1, "step": r * cfg.interval + len(losses[0]),
+                   "loss": sum(flat_losses) / len(flat_losses),
                    "worker_loss": [sum(row) / len(row) for row in losses], "lr": _round_lr(cfg, r),
                    "seconds": time.perf_counter() - t_round, "time_s": time.perf_counter() - t0}
             history.append(rec)
@@ -977,6 +983,5 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
     new = materialize(model, layout, subnet, rescale=rescale)
     record(new, "twist-extract", {"keep": keep, "blocks": blocks, "parts": parts, "attn_keep": attn_keep,
                                   "layers": layers, "rescale": rescale},
-           seed=seed, subnet={"attn": {str(k): v for k, v in subnet.attn.items()},
-                              "mlp": {str(k): v for k, v in subnet.mlp.items()}})
+           seed=seed, subnet=subnet.as_dict())
     return new
