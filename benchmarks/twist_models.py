@@ -64,12 +64,19 @@ def main() -> None:
         if (folder / "surgery.json").exists():
             print(f"{name}: done ({folder})", flush=True)
             continue
+        claim = Path(args.out) / f"{name}.running"
+        try:  # several drivers may share the queue: each run is taken by one of them
+            claim.touch(exist_ok=False)
+        except FileExistsError:
+            print(f"{name}: taken by another driver ({claim})", flush=True)
+            continue
         cmd = command(name, args)
         shown = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, "python")
         print(f"{name}: {shown}", flush=True)
         t0 = time.time()
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         (Path(args.out) / f"{name}.log").write_text(r.stdout + "\n" + r.stderr)
+        claim.unlink()
         if r.returncode != 0:
             print(r.stderr[-4000:], file=sys.stderr)
             sys.exit(f"{name} failed (exit {r.returncode}); rerun to resume from its checkpoint")

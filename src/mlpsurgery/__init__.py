@@ -13,10 +13,12 @@ __version__ = "0.1.0"
 from .capture import Capture, capture_mlp_io
 from .data import LabelledSet, TokenizedCorpus, load_corpus, read_corpus, read_labelled, text_blocks, tokenize_corpus
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError, UnsupportedArchitectureError
-from .io import export, load, save, to_stock
+from .io import export, load, save, subset_model, to_stock
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
 from .measure.perplexity import perplexity
+from .methods.pruning import prune
+from .methods.twist import TwISTConfig, twist_extract, twist_train
 from .models import load_model
 from .sites import SUPPORTED, AttnWeights, MLPWeights, find_sites, generic_layers
 from .train import FitConfig, fit
@@ -27,4 +29,5 @@ __all__ = [
     "UnsupportedArchitectureError", "export", "load", "save", "to_stock", "accuracy", "embed", "probe_accuracy",
     "compare_cost", "count_params", "flops_per_token", "inspect", "max_batch", "measure_cost", "perplexity",
     "load_model", "SUPPORTED", "AttnWeights", "MLPWeights", "find_sites", "generic_layers", "FitConfig", "fit",
+    "subset_model", "prune", "TwISTConfig", "twist_extract", "twist_train",
 ]
