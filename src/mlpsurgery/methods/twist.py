@@ -628,13 +628,14 @@ def _build(structure: dict, device: torch.device) -> nn.Module:
     return model
 
 
-def _rank_stats(models: list[nn.Module], comm: Comm | None, optimizer_params: int, train_s: float, batches: int
+def _rank_stats(models: list[nn.Module], comm: Comm | None, trained: nn.Module, train_s: float, batches: int
                 ) -> dict:
     held = {id(p): p for m in models for p in m.parameters()}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {"held_params": sum(p.numel() for p in held.values()),
             "held_bytes": sum(p.numel() * p.element_size() for p in held.values()),
-            "optimizer_bytes": 2 * 4 * optimizer_params,  # AdamW: two fp32 moments per trained parameter
+            # AdamW keeps two moments of every trained parameter
+            "optimizer_bytes": 2 * sum(p.numel() * p.element_size() for p in trainable(trained).values()),
             "peak_rss_bytes": peak, "sent_bytes": comm.sent if comm else 0,
             "received_bytes": comm.received if comm else 0, "train_seconds": train_s, "batches": batches}
 
@@ -824,7 +825,7 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
     bar.close()
     held = [m for m in (model, sub) if m is not None]
     trained = sub if (sub is not None and trains_sub) else model
-    stats = _rank_stats(held, comm, sum(p.numel() for p in trainable(trained).values()), train_s, batches)
+    stats = _rank_stats(held, comm, trained, train_s, batches)
     stats["rank"] = rank
     ranks = [stats]
     if world > 1:
@@ -876,8 +877,7 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
 
         model.train()
         res = fit(trainable(model), loss_fn, fc, checkpoint_dir=ckpt, progress=progress, desc="data parallel")
-        stats = _rank_stats([model], None, sum(p.numel() for p in trainable(model).values()), res.seconds,
-                            cfg.steps * S)
+        stats = _rank_stats([model], None, model, res.seconds, cfg.steps * S)
         ranks = [dict(stats, rank=0)]
     else:
         from torch.nn.parallel import DistributedDataParallel
@@ -904,8 +904,7 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
 
         res = fit(trainable(model), loss_fn, fc, checkpoint_dir=ckpt / f"rank{rank}" if ckpt else None,
                   progress=progress and rank == 0, desc="DDP")
-        stats = _rank_stats([model], comm, sum(p.numel() for p in trainable(model).values()), res.seconds,
-                            cfg.steps)
+        stats = _rank_stats([model], comm, model, res.seconds, cfg.steps)
         # ring all-reduce: each rank sends and receives 2(S-1)/S of every bucket
         ring = 2 * (world - 1) / world
         stats.update(rank=rank, allreduce_payload_bytes=counter["bytes"],
