@@ -8,7 +8,7 @@ types for every method:
 - magnitude, Wanda, SparseGPT (unstructured) and Fisher block pruning (structured) of the data-parallel model,
   calibrated on 16 training blocks of 128 tokens (Wanda / SparseGPT: one-pass input moments, see docs).
 MLP sparsity at kappa = X/12 is 1 - X/12; attention keeps round(kappa x 3) of SmolLM2's 3 KV groups.
-Perplexity: the first `--tokens` scored tokens of Persuasion (held out), windows of 512.
+Perplexity: the first windows of 512 tokens of Persuasion (held out) until `--tokens` are scored.
 
     OMP_NUM_THREADS=1 flock -s /tmp/mlpsurgery.lock python benchmarks/twist_table1.py
 """
@@ -58,9 +58,11 @@ def main() -> None:
     ap.add_argument("--models", default="runs/twist/models")
     ap.add_argument("--out", default="runs/twist/eval")
     ap.add_argument("--img", default="docs/img")
-    ap.add_argument("--tokens", type=int, default=2048, help="scored held-out tokens per perplexity (2048)")
-    ap.add_argument("--spread-tokens", type=int, default=1024, help="tokens per eval loss in Fig. 4 (1024)")
+    ap.add_argument("--tokens", type=int, default=1000,
+                    help="score held-out tokens until at least this many (1000: two windows, 1022 tokens)")
+    ap.add_argument("--spread-tokens", type=int, default=500, help="the same for Fig. 4 (500: one window, 511)")
     ap.add_argument("--spread-seeds", type=int, default=20)
+    ap.add_argument("--spread-kappas", type=int, nargs="+", default=[4], help="X of X/12 for Fig. 4 (4)")
     ap.add_argument("--calib-blocks", type=int, default=16)
     ap.add_argument("--skip", nargs="*", default=[], choices=["table", "heatmap", "spread"])
     args = ap.parse_args()
@@ -156,7 +158,7 @@ def main() -> None:
 
     if "spread" not in args.skip:
         for train in ("ffn-6", "dp"):
-            for kappa in (8, 4):
+            for kappa in args.spread_kappas:
                 for seed in range(args.spread_seeds):
                     cache.get(f"spread/{train}/ffn{kappa}of12/seed{seed}",
                               lambda: ppl(twist_subnet(train, "ffn", kappa, seed), tokens=args.spread_tokens))
@@ -172,7 +174,8 @@ def report(data: dict, args, models: Path) -> None:
     img = Path(args.img)
     img.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
-    lines = [f"Full models (no pruning), perplexity on {args.tokens} held-out tokens:", "",
+    scored = data["full/pretrained"]["tokens"]
+    lines = [f"Full models (no pruning), perplexity on {scored} held-out tokens:", "",
              "| model | ppl |", "|---|---|"]
     for name in ("pretrained", "dp", "both-4", "ffn-4", "attn-4", "ffn-6", "ffn-8"):
         if f"full/{name}" in data:
@@ -197,7 +200,7 @@ def report(data: dict, args, models: Path) -> None:
         ax.set_xlabel("kappa = X/12 (blocks kept)")
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"held-out perplexity ({args.tokens} tokens of Persuasion)")
+    axes[0].set_ylabel(f"held-out perplexity ({scored} tokens of Persuasion)")
     axes[-1].legend(fontsize=8)
     fig.suptitle("SmolLM2-135M, Austen fine-tuning: subnets at kappa (TwIST random subnet vs baselines)")
     fig.tight_layout()
@@ -242,7 +245,8 @@ def report(data: dict, args, models: Path) -> None:
                                                              for g in groups])
         for i, g in enumerate(groups, 1):
             ax.scatter([i] * len(spread[g]), spread[g], s=8, alpha=0.5)
-        ax.set_ylabel(f"eval loss (nats/token, {args.spread_tokens} held-out tokens)")
+        n = next(e["tokens"] for k, e in data.items() if k.startswith("spread/"))
+        ax.set_ylabel(f"eval loss (nats/token, {n} held-out tokens)")
         ax.set_title("eval loss over random ffn subnets: TwIST (trained 6/12) vs DP")
         fig.tight_layout()
         fig.savefig(img / "twist_spread.png", dpi=110)

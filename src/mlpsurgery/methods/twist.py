@@ -803,6 +803,7 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
                     agg.add(model, subnets[0], full=True)
                 for s in range(1, S):
                     unflatten(sub, gathered[s])
+                    gathered[s] = None  # rank 0 holds one returned subnet at a time
                     agg.add(sub, subnets[s], full=False)
                 agg.write()
                 losses = [[v for v in row.tolist() if not math.isnan(v)] for row in all_losses]
