@@ -23,7 +23,8 @@ several (the shared parameters, the common set, blocks dealt twice) becomes thei
   the h inner activations);
 - true: one process per worker (torchrun; gloo on CPU, NCCL on GPU). Rank 0 holds the central model; every
   rank, rank 0 included, trains a physically smaller model built by concatenating its blocks. Rank 0
-  scatters one flat buffer per worker and gathers them back: workers hold and send only their subnet;
+  sends each worker one flat buffer of its blocks and receives it back after the round (one buffer at a
+  time, so rank 0 never holds more than one returned subnet): workers hold and send only their subnet;
 - hybrid: as true, but rank 0 trains its subnet masked on the central model (no second copy there);
 - dp: the baseline, data parallel on the same shards and steps (DDP under torchrun, else one process).
 The three TwIST modes compute the same function of (seed, data): masked == true == hybrid up to float
@@ -547,12 +548,13 @@ class Comm:
     def _bytes(t: Tensor) -> int:
         return t.numel() * t.element_size()
 
-    def scatter(self, out: Tensor, chunks: list[Tensor] | None = None) -> Tensor:
-        self.dist.scatter(out, chunks if self.rank == 0 else None, src=0)
-        if self.rank == 0:
-            self.sent += self._bytes(out) * (self.world - 1)
-        else:
-            self.received += self._bytes(out)
+    def send(self, t: Tensor, dst: int) -> None:
+        self.dist.send(t, dst=dst)
+        self.sent += self._bytes(t)
+
+    def recv(self, out: Tensor, src: int) -> Tensor:
+        self.dist.recv(out, src=src)
+        self.received += self._bytes(out)
         return out
 
     def gather(self, t: Tensor) -> list[Tensor] | None:
@@ -769,18 +771,16 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
             agg.write()
             batches += S * len(losses[0])
         else:
-            if rank == 0:
-                bufs = []
+            dtype = next(sub.parameters()).dtype
+            if rank == 0:  # one flat buffer of concatenated blocks per worker, built and sent one at a time
                 for s in range(1, S):
                     fill_subnet(sub, model, layout, subnets[s])
-                    bufs.append(flatten(sub))
+                    comm.send(flatten(sub), s)
                 if mode == "true":
                     fill_subnet(sub, model, layout, subnets[0])
-                comm.scatter(torch.empty(numel, dtype=bufs[0].dtype, device=device), [bufs[0], *bufs])
-                del bufs
             else:
-                flat = torch.empty(numel, dtype=next(sub.parameters()).dtype, device=device)
-                unflatten(sub, comm.scatter(flat))
+                flat = torch.empty(numel, dtype=dtype, device=device)
+                unflatten(sub, comm.recv(flat, 0))
                 del flat
             t = time.perf_counter()
             if trains_sub:
@@ -790,8 +790,6 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
                     mine = _local_train(model, shard, cfg, r, 0)
             train_s += time.perf_counter() - t
             batches += len(mine)
-            gathered = comm.gather(flatten(sub) if trains_sub else torch.empty(numel, device=device,
-                                                                              dtype=next(sub.parameters()).dtype))
             pad = torch.full((cfg.interval,), float("nan"), device=device)
             pad[:len(mine)] = torch.tensor(mine, device=device)
             all_losses = comm.gather(pad)
@@ -801,13 +799,15 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
                     agg.add(sub, subnets[0], full=False)
                 else:
                     agg.add(model, subnets[0], full=True)
-                for s in range(1, S):
-                    unflatten(sub, gathered[s])
-                    gathered[s] = None  # rank 0 holds one returned subnet at a time
+                flat = torch.empty(numel, dtype=dtype, device=device)
+                for s in range(1, S):  # rank 0 holds one returned subnet at a time
+                    unflatten(sub, comm.recv(flat, s))
                     agg.add(sub, subnets[s], full=False)
+                del flat
                 agg.write()
                 losses = [[v for v in row.tolist() if not math.isnan(v)] for row in all_losses]
-            del gathered
+            else:
+                comm.send(flatten(sub), 0)
         if rank == 0:
             flat_losses = [v for row in losses for v in row]
             rec = {"round": r + 1, "step": r * cfg.interval + len(losses[0]),
