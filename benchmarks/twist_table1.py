@@ -87,8 +87,11 @@ def main() -> None:
             loaded[name] = ms.load(models / name) if name != "pretrained" else base.model
         return loaded[name]
 
+    def have(name: str) -> bool:
+        return (models / name / "surgery.json").exists()
+
     for name in ("pretrained", "dp", "both-4", "ffn-4", "attn-4", "ffn-6", "ffn-8"):
-        if name == "pretrained" or (models / name / "surgery.json").exists():
+        if name == "pretrained" or have(name):
             cache.get(f"full/{name}", lambda: ppl(model(name)))
 
     def keeps(kappa: int) -> dict:
@@ -115,9 +118,10 @@ def main() -> None:
             for kappa in KAPPAS:
                 key = subnet_key(part, kappa)
                 sp = sparsity(part, kappa)
-                cache.get(f"table/twist/{key}", lambda: ppl(twist_subnet(f"{part}-4", part, kappa)))
+                if have(f"{part}-4"):  # run again once more models are trained: finished entries are kept
+                    cache.get(f"table/twist/{key}", lambda: ppl(twist_subnet(f"{part}-4", part, kappa)))
                 matched = f"{part}-{kappa}"
-                if (models / matched / "surgery.json").exists():
+                if have(matched):
                     cache.get(f"table/twist_matched/{key}", lambda: ppl(twist_subnet(matched, part, kappa)))
                 cache.get(f"table/dp_random/{key}", lambda: ppl(twist_subnet("dp", part, kappa)))
 
@@ -152,12 +156,12 @@ def main() -> None:
 
     if "heatmap" not in args.skip:
         for train in ("ffn-8", "ffn-6", "ffn-4", "dp"):
-            if (models / train / "surgery.json").exists():
+            if have(train):
                 for kappa in KAPPAS:
                     cache.get(f"heatmap/{train}/ffn{kappa}of12", lambda: ppl(twist_subnet(train, "ffn", kappa)))
 
     if "spread" not in args.skip:
-        for train in ("ffn-6", "dp"):
+        for train in [t for t in ("ffn-6", "dp") if have(t)]:
             for kappa in args.spread_kappas:
                 for seed in range(args.spread_seeds):
                     cache.get(f"spread/{train}/ffn{kappa}of12/seed{seed}",

@@ -77,8 +77,9 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
 # Calibrated unstructured pruning: Wanda and SparseGPT
 #
 # The math is in pure functions of one weight matrix W (out, in) and the second moment of its inputs
-# H = X^T X / n (in, in); the wiring captures H for every prunable linear of one layer at a time, with the
-# earlier layers already pruned (both papers prune layer by layer, "sequentially").
+# H = X^T X / n (in, in); the wiring captures H with forward pre-hooks on the prunable linears, one layer
+# at a time with the earlier layers already pruned (both papers prune "sequentially"), or all layers in one
+# pass on the dense model.
 
 
 def wanda_mask(W: Tensor, h_diag: Tensor, sparsity: float) -> Tensor:
