@@ -608,21 +608,30 @@ def _distributed() -> tuple[int, int]:
 
 
 def _structure(model: nn.Module) -> dict:
-    """What another rank needs to build an empty copy of `model`'s architecture (no weights)."""
+    """What another rank needs to build an empty copy of `model` (no weights; buffers such as RoPE tables)."""
     from ..io import replaced_modules
 
     return {"config": model.config.to_dict(), "class": type(model).__name__, "modules": replaced_modules(model),
-            "shapes": [(n, list(p.shape)) for n, p in _params(model).items()]}
+            "shapes": [(n, list(p.shape)) for n, p in _params(model).items()],
+            "buffers": {n: b.detach().cpu() for n, b in model.named_buffers()}}
 
 
 def _build(structure: dict, device: torch.device) -> nn.Module:
+    """The model `_structure` describes, allocated once at its own size (built on the meta device, so a worker
+    never holds the full model even for a moment); parameters uninitialised until rank 0 sends them."""
     import transformers
 
     from ..io import rebuild
 
     cfg = dict(structure["config"])
     config = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
-    model = rebuild(config, structure["class"], structure["modules"]).to(device)
+    with torch.device("meta"):
+        model = rebuild(config, structure["class"], structure["modules"])
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives tied parameters separate storage
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(structure["buffers"][name])
     shapes = [[n, list(p.shape)] for n, p in _params(model).items()]
     if shapes != [[n, list(s)] for n, s in structure["shapes"]]:
         raise MLPSurgeryError("the rebuilt subnet does not match rank 0's: the ranks run different mlpsurgery or "
