@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--block-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--img", default="docs/img", help="where the training-loss plot goes")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -86,6 +87,31 @@ def main() -> None:
                    "ranks": extra.get("twist_ranks", [])}
         (Path(args.out) / f"{name}.json").write_text(json.dumps(summary, indent=2))
         print(f"{name}: final loss {history[-1]['loss']:.4f}, {summary['wall_s']:.0f} s", flush=True)
+    plot(Path(args.out), Path(args.img))
+
+
+def plot(out: Path, img: Path) -> None:
+    """Training loss per round (mean over workers' batches; TwIST: of the subnets being trained)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in RUNS:
+        path = out / f"{name}.json"
+        if path.exists():
+            h = json.loads(path.read_text())["history"]
+            ax.plot([r["step"] for r in h], [r["loss"] for r in h], marker="o",
+                    label="data parallel (full model)" if name == "dp" else f"TwIST {name} (its subnets)")
+    ax.set_xlabel("batches per worker")
+    ax.set_ylabel("training loss (mean per round)")
+    ax.set_title("SmolLM2 on Austen, S = 3 workers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    img.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(img / "twist_training.png", dpi=110)
 
 
 if __name__ == "__main__":
