@@ -20,22 +20,23 @@ import sys
 import time
 from pathlib import Path
 
-# name: (mode, parts, keep X of R = 12)
+# name: (mode, parts, keep X of R = 12, learning rate: None = --lr)
 RUNS = {
-    "dp": ("dp", "both", 4),
-    "both-4": ("true", "both", 4),
-    "ffn-4": ("true", "ffn", 4),
-    "attn-4": ("true", "attn", 4),
-    "ffn-6": ("true", "ffn", 6),
-    "ffn-8": ("true", "ffn", 8),
+    "dp": ("dp", "both", 4, None),
+    "both-4": ("true", "both", 4, None),
+    "ffn-4": ("true", "ffn", 4, None),
+    "attn-4": ("true", "attn", 4, None),
+    "ffn-6": ("true", "ffn", 6, None),
+    "ffn-8": ("true", "ffn", 8, None),
+    "dp-lr1e-4": ("dp", "both", 4, 1e-4),  # the paper's learning rate, for the baselines' sake
 }
 
 
 def command(name: str, args) -> list[str]:
-    mode, parts, keep = RUNS[name]
+    mode, parts, keep, lr = RUNS[name]
     common = ["twist", "train", "smollm2", "--mode", mode, "--workers", str(args.workers), "--blocks", "12",
               "--keep", str(keep), "--parts", parts, "--steps", str(args.steps), "--interval", str(args.interval),
-              "--batch-size", str(args.batch_size), "--block-len", str(args.block_len), "--lr", str(args.lr),
+              "--batch-size", str(args.batch_size), "--block-len", str(args.block_len), "--lr", str(lr or args.lr),
               "--seed", str(args.seed), "--out", str(Path(args.out) / name), "--json", "--quiet"]
     if mode == "dp":
         return [sys.executable, "-m", "mlpsurgery", *common]

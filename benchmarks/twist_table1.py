@@ -33,8 +33,15 @@ KAPPAS = (8, 6, 4, 3)
 PARTS = ("attn", "ffn", "both")
 LAYERS = list(range(2, 28))
 METHODS = ("twist", "twist_matched", "dp_random", "magnitude", "wanda", "sparsegpt", "fisher")
+BASELINES = ("dp_random", "magnitude", "wanda", "sparsegpt", "fisher")  # applied to the data-parallel model
+MODELS = ("pretrained", "dp", "dp-lr1e-4", "both-4", "ffn-4", "attn-4", "ffn-6", "ffn-8")
 LABELS = {"twist": "TwIST (trained 4/12)", "twist_matched": "TwIST (trained at kappa)", "dp_random": "DP random",
           "magnitude": "magnitude", "wanda": "Wanda", "sparsegpt": "SparseGPT", "fisher": "Fisher block"}
+
+
+def entry(method: str, key: str, dp: str) -> str:
+    """Cache key of one Table 1 cell; baselines are per data-parallel model."""
+    return f"table/{method}@{dp}/{key}" if method in BASELINES else f"table/{method}/{key}"
 
 
 class Cache:
@@ -65,6 +72,7 @@ def main() -> None:
     ap.add_argument("--spread-kappas", type=int, nargs="+", default=[4], help="X of X/12 for Fig. 4 (4)")
     ap.add_argument("--calib-blocks", type=int, default=16)
     ap.add_argument("--skip", nargs="*", default=[], choices=["table", "heatmap", "spread"])
+    ap.add_argument("--dp", default="dp", help="the data-parallel model the baselines prune (dp)")
     args = ap.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -90,7 +98,7 @@ def main() -> None:
     def have(name: str) -> bool:
         return (models / name / "surgery.json").exists()
 
-    for name in ("pretrained", "dp", "both-4", "ffn-4", "attn-4", "ffn-6", "ffn-8"):
+    for name in MODELS:
         if name == "pretrained" or have(name):
             cache.get(f"full/{name}", lambda: ppl(model(name)))
 
@@ -112,7 +120,7 @@ def main() -> None:
         return twist_extract(model(name), keep=kappa, blocks=12, parts=part, layers=LAYERS, seed=seed)
 
     if "table" not in args.skip:
-        dp = model("dp")
+        dp = model(args.dp)
         moments = fisher = None
         for part in PARTS:
             for kappa in KAPPAS:
@@ -123,7 +131,7 @@ def main() -> None:
                 matched = f"{part}-{kappa}"
                 if have(matched):
                     cache.get(f"table/twist_matched/{key}", lambda: ppl(twist_subnet(matched, part, kappa)))
-                cache.get(f"table/dp_random/{key}", lambda: ppl(twist_subnet("dp", part, kappa)))
+                cache.get(entry("dp_random", key, args.dp), lambda: ppl(twist_subnet(args.dp, part, kappa)))
 
                 def magnitude():
                     m = copy.deepcopy(dp)
@@ -131,7 +139,7 @@ def main() -> None:
                         magnitude_prune(m, s, parts=p, layers=LAYERS)
                     return ppl(m)
 
-                cache.get(f"table/magnitude/{key}", magnitude)
+                cache.get(entry("magnitude", key, args.dp), magnitude)
                 for method in ("wanda", "sparsegpt"):
                     def calibrated(method=method):
                         nonlocal moments
@@ -143,7 +151,7 @@ def main() -> None:
                                          progress=False)
                         return {**ppl(m), "prune_s": time.time() - t0}
 
-                    cache.get(f"table/{method}/{key}", calibrated)
+                    cache.get(entry(method, key, args.dp), calibrated)
 
                 def fisher_block():
                     nonlocal fisher
@@ -152,16 +160,16 @@ def main() -> None:
                     layout = make_layout(dp, part, LAYERS, 12, kappa)
                     return ppl(materialize(dp, layout, fisher_subnet(fisher, layout), rescale=False))
 
-                cache.get(f"table/fisher/{key}", fisher_block)
+                cache.get(entry("fisher", key, args.dp), fisher_block)
 
     if "heatmap" not in args.skip:
-        for train in ("ffn-8", "ffn-6", "ffn-4", "dp"):
+        for train in ("ffn-8", "ffn-6", "ffn-4", args.dp):
             if have(train):
                 for kappa in KAPPAS:
                     cache.get(f"heatmap/{train}/ffn{kappa}of12", lambda: ppl(twist_subnet(train, "ffn", kappa)))
 
     if "spread" not in args.skip:
-        for train in [t for t in ("ffn-6", "dp") if have(t)]:
+        for train in [t for t in ("ffn-6", args.dp) if have(t)]:
             for kappa in args.spread_kappas:
                 for seed in range(args.spread_seeds):
                     cache.get(f"spread/{train}/ffn{kappa}of12/seed{seed}",
@@ -181,7 +189,7 @@ def report(data: dict, args, models: Path) -> None:
     scored = data["full/pretrained"]["tokens"]
     lines = [f"Full models (no pruning), perplexity on {scored} held-out tokens:", "",
              "| model | ppl |", "|---|---|"]
-    for name in ("pretrained", "dp", "both-4", "ffn-4", "attn-4", "ffn-6", "ffn-8"):
+    for name in MODELS:
         if f"full/{name}" in data:
             lines.append(f"| {name} | {data[f'full/{name}']['ppl']:.2f} |")
     lines += ["", "| parts | kappa | " + " | ".join(LABELS[m] for m in METHODS) + " |",
@@ -193,7 +201,7 @@ def report(data: dict, args, models: Path) -> None:
             for kappa in KAPPAS:
                 k = attn_keep_for(kappa / 12, 3)
                 key = {"attn": f"attn{k}of3", "ffn": f"ffn{kappa}of12", "both": f"attn{k}of3+ffn{kappa}of12"}[part]
-                e = data.get(f"table/{method}/{key}")
+                e = data.get(entry(method, key, args.dp))
                 if e:
                     xs.append(kappa)
                     ys.append(e["ppl"])
@@ -214,17 +222,17 @@ def report(data: dict, args, models: Path) -> None:
             k = attn_keep_for(kappa / 12, 3)
             key = {"attn": f"attn{k}of3", "ffn": f"ffn{kappa}of12", "both": f"attn{k}of3+ffn{kappa}of12"}[part]
             label = {"attn": f"{kappa}/12 (attn {k}/3)", "ffn": f"{kappa}/12", "both": f"{kappa}/12 (attn {k}/3)"}[part]
-            cells = [data.get(f"table/{m}/{key}") for m in METHODS]
+            cells = [data.get(entry(m, key, args.dp)) for m in METHODS]
             best = min((c["ppl"] for c in cells if c), default=None)
             row = [(f"**{c['ppl']:.1f}**" if c["ppl"] == best else f"{c['ppl']:.1f}") if c else "-" for c in cells]
             lines.append(f"| {part} | {label} | " + " | ".join(row) + " |")
 
-    trains = [t for t in ("ffn-8", "ffn-6", "ffn-4", "dp") if any(k.startswith(f"heatmap/{t}/") for k in data)]
+    trains = [t for t in ("ffn-8", "ffn-6", "ffn-4", args.dp) if any(k.startswith(f"heatmap/{t}/") for k in data)]
     if trains:
         grid = [[data.get(f"heatmap/{t}/ffn{k}of12", {}).get("ppl", math.nan) for t in trains] for k in KAPPAS]
         fig, ax = plt.subplots(figsize=(5.5, 4.2))
         im = ax.imshow([[math.log10(v) for v in row] for row in grid], cmap="viridis_r")
-        ax.set_xticks(range(len(trains)), [("DP (12/12)" if t == "dp" else f"trained {t[4:]}/12") for t in trains])
+        ax.set_xticks(range(len(trains)), [("DP (12/12)" if t == args.dp else f"trained {t[4:]}/12") for t in trains])
         ax.set_yticks(range(len(KAPPAS)), [f"eval {k}/12" for k in KAPPAS])
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
@@ -244,7 +252,7 @@ def report(data: dict, args, models: Path) -> None:
             spread.setdefault((train, kappa), []).append(e["nll"])
     if spread:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        groups = sorted(spread, key=lambda k: (k[1], k[0]))
+        groups = sorted((g for g in spread if g[0] in ("ffn-6", args.dp)), key=lambda k: (k[1], k[0]))
         ax.boxplot([spread[g] for g in groups], tick_labels=[f"{'TwIST 6/12' if g[0] == 'ffn-6' else 'DP'}\n{g[1][3:]}"
                                                              for g in groups])
         for i, g in enumerate(groups, 1):
