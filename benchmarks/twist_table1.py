@@ -92,6 +92,8 @@ def main() -> None:
 
     def model(name: str):
         if name not in loaded:
+            for other in [n for n in loaded if n not in ("pretrained", args.dp)]:
+                del loaded[other]  # memory: the DP model plus one trained model at a time
             loaded[name] = ms.load(models / name) if name != "pretrained" else base.model
         return loaded[name]
 
