@@ -723,130 +723,151 @@ def _resume(model: nn.Module, cfg: TwISTConfig, ckpt: Path | None) -> tuple[int,
     return state["round"], state["history"], state["seconds"]
 
 
+class _Run:
+    """One rank's part of a TwIST run: what every round needs, and the rounds of each mode."""
+
+    def __init__(self, model, blocks, cfg: TwISTConfig, mode: str, checkpoint_dir):
+        self.rank, self.world = _distributed()
+        self.model, self.cfg, self.mode, self.S = model, cfg, mode, cfg.workers
+        self.ckpt = Path(checkpoint_dir) if checkpoint_dir else None
+        self.comm = self.sub = None
+        self.train_s, self.batches = 0.0, 0
+        if self.rank == 0:
+            self.device = next(model.parameters()).device
+            self.layout = cfg.layout(model)
+            self.layout.check(self.S)
+            self.shards = make_shards(blocks, self.S)
+            self.start, self.history, self.elapsed = _resume(model, cfg, self.ckpt)
+        else:
+            nccl = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+            self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}" if nccl else "cpu")
+            self.start, self.history, self.elapsed = 0, [], 0.0
+        if self.world > 1:
+            self.comm = Comm(self.device)
+            if self.rank == 0:
+                # every subnet has the same shapes: any one is the skeleton each rank trains in
+                first = self.layout.blueprint(self.S, _round_generator(cfg.seed, 0))[0]
+                self.sub = subset_model(model, *self.layout.subset_args(first))
+                self.comm.broadcast_object({"structure": _structure(self.sub), "layout": asdict(self.layout),
+                                            "start": self.start})
+            else:
+                info = self.comm.broadcast_object()
+                self.sub = _build(info["structure"], self.device)
+                self.layout, self.start = Layout(**info["layout"]), info["start"]
+            self.shard = self.comm.send_blocks(self.shards if self.rank == 0 else None)
+            self.numel = sum(p.numel() for p in _params(self.sub).values())
+            self.dtype = next(self.sub.parameters()).dtype
+        self.trains_sub = self.sub is not None and (mode == "true" or self.rank > 0)
+        if self.trains_sub:
+            subnet_hooks(self.sub, self.layout)  # the scale, for the whole run
+
+    def _train(self, model, shard, r: int, worker: int) -> list[float]:
+        t = time.perf_counter()
+        losses = _local_train(model, shard, self.cfg, r, worker)
+        self.train_s += time.perf_counter() - t
+        self.batches += len(losses)
+        return losses
+
+    def masked_round(self, r: int, subnets: list[Subnet]) -> list[list[float]]:
+        """The S workers one after another on the full model, each from the round's starting weights."""
+        params = _params(self.model)
+        theta = {n: p.detach().clone() for n, p in params.items()}
+        agg = Aggregator(self.model, self.layout)
+        losses = []
+        for s in range(self.S):
+            if s:
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(theta[n])
+            with subnet_hooks(self.model, self.layout, subnets[s]):
+                losses.append(self._train(self.model, self.shards[s], r, s))
+            agg.add(self.model, subnets[s], full=True)
+        del theta
+        agg.write()
+        return losses
+
+    def distributed_round(self, r: int, subnets: list[Subnet] | None) -> list[list[float]] | None:
+        """Send every worker its blocks, train, receive them back, aggregate (true / hybrid; rank 0 returns the
+        losses of all workers, the others None)."""
+        comm, sub, layout = self.comm, self.sub, self.layout
+        if self.rank == 0:  # one flat buffer of concatenated blocks per worker, built and sent one at a time
+            for s in range(1, self.S):
+                fill_subnet(sub, self.model, layout, subnets[s])
+                comm.send(flatten(sub), s)
+            if self.trains_sub:
+                fill_subnet(sub, self.model, layout, subnets[0])
+        else:
+            unflatten(sub, comm.recv(torch.empty(self.numel, dtype=self.dtype, device=self.device), 0))
+        if self.trains_sub:
+            mine = self._train(sub, self.shard, r, self.rank)
+        else:  # hybrid: rank 0 trains its subnet masked on the central model
+            with subnet_hooks(self.model, layout, subnets[0]):
+                mine = self._train(self.model, self.shard, r, 0)
+        pad = torch.full((self.cfg.interval,), float("nan"), device=self.device)
+        pad[:len(mine)] = torch.tensor(mine, device=self.device)
+        all_losses = comm.gather(pad)
+        if self.rank != 0:
+            comm.send(flatten(sub), 0)
+            return None
+        agg = Aggregator(self.model, layout)
+        if self.trains_sub:
+            agg.add(sub, subnets[0], full=False)
+        else:
+            agg.add(self.model, subnets[0], full=True)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        for s in range(1, self.S):  # rank 0 holds one returned subnet at a time
+            unflatten(sub, comm.recv(flat, s))
+            agg.add(sub, subnets[s], full=False)
+        agg.write()
+        return [[v for v in row.tolist() if not math.isnan(v)] for row in all_losses]
+
+    def log(self, r: int, losses: list[list[float]], started: float, t0: float) -> dict:
+        """Rank 0: the round's record, and the checkpoint of the whole run."""
+        flat = [v for row in losses for v in row]
+        rec = {"round": r + 1, "step": r * self.cfg.interval + len(losses[0]), "loss": sum(flat) / len(flat),
+               "worker_loss": [sum(row) / len(row) for row in losses], "lr": _round_lr(self.cfg, r),
+               "seconds": time.perf_counter() - started, "time_s": time.perf_counter() - t0}
+        self.history.append(rec)
+        if self.ckpt is not None:
+            save_checkpoint(self.ckpt, {"config": asdict(self.cfg), "round": r + 1, "history": self.history,
+                                        "seconds": time.perf_counter() - t0,
+                                        "params": {n: p.detach() for n, p in _params(self.model).items()}})
+        return rec
+
+    def rank_stats(self) -> list[dict]:
+        held = [m for m in (self.model, self.sub) if m is not None]
+        stats = _rank_stats(held, self.comm, self.sub if self.trains_sub else self.model, self.train_s,
+                            self.batches)
+        stats["rank"] = self.rank
+        if self.world == 1:
+            return [stats]
+        ranks = [None] * self.world if self.rank == 0 else None
+        torch.distributed.gather_object(stats, ranks, dst=0)
+        return ranks or []
+
+
 def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -> TwISTResult:
-    rank, world = _distributed()
-    S = cfg.workers
-    ckpt = Path(checkpoint_dir) if checkpoint_dir else None
-    comm = None
-    layout = sub = None
-    if rank == 0:
-        device = next(model.parameters()).device
-        layout = cfg.layout(model)
-        layout.check(S)
-        shards = make_shards(blocks, S)
-        start, history, elapsed = _resume(model, cfg, ckpt)
-    else:
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") if torch.cuda.is_available() and \
-            torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-        start, history, elapsed = 0, [], 0.0
-    if world > 1:
-        comm = Comm(device)
-        if rank == 0:
-            # any subnet has the same shapes as every other: the skeleton every rank trains in
-            sub = subset_model(model, *layout.subset_args(layout.blueprint(S, _round_generator(cfg.seed, 0))[0]))
-            comm.broadcast_object({"structure": _structure(sub), "layout": asdict(layout), "start": start})
-        else:
-            info = comm.broadcast_object()
-            sub = _build(info["structure"], device)
-            layout, start = Layout(**info["layout"]), info["start"]
-        shard = comm.send_blocks(shards if rank == 0 else None)
-    trains_sub = mode == "true" or rank > 0
-    if sub is not None and trains_sub:
-        subnet_hooks(sub, layout)  # the scale, for the whole run
-    numel = sum(p.numel() for p in _params(sub).values()) if sub is not None else 0
-    train_s, batches = 0.0, 0
-    t0 = time.perf_counter() - elapsed
-    bar = tqdm(total=cfg.rounds, initial=start, desc=f"twist {mode}", unit="round",
-               disable=not progress or rank != 0)
-    for r in range(start, cfg.rounds):
-        t_round = time.perf_counter()
-        if rank == 0:
-            subnets = layout.blueprint(S, _round_generator(cfg.seed, r))
-        if mode == "masked":
-            theta = {n: p.detach().clone() for n, p in _params(model).items()}
-            agg = Aggregator(model, layout)
-            losses = []
-            for s in range(S):
-                if s:
-                    with torch.no_grad():
-                        for n, p in _params(model).items():
-                            p.copy_(theta[n])
-                with subnet_hooks(model, layout, subnets[s]):
-                    t = time.perf_counter()
-                    losses.append(_local_train(model, shards[s], cfg, r, s))
-                    train_s += time.perf_counter() - t
-                agg.add(model, subnets[s], full=True)
-            del theta
-            agg.write()
-            batches += S * len(losses[0])
-        else:
-            dtype = next(sub.parameters()).dtype
-            if rank == 0:  # one flat buffer of concatenated blocks per worker, built and sent one at a time
-                for s in range(1, S):
-                    fill_subnet(sub, model, layout, subnets[s])
-                    comm.send(flatten(sub), s)
-                if mode == "true":
-                    fill_subnet(sub, model, layout, subnets[0])
-            else:
-                flat = torch.empty(numel, dtype=dtype, device=device)
-                unflatten(sub, comm.recv(flat, 0))
-                del flat
-            t = time.perf_counter()
-            if trains_sub:
-                mine = _local_train(sub, shard, cfg, r, rank)
-            else:
-                with subnet_hooks(model, layout, subnets[0]):
-                    mine = _local_train(model, shard, cfg, r, 0)
-            train_s += time.perf_counter() - t
-            batches += len(mine)
-            pad = torch.full((cfg.interval,), float("nan"), device=device)
-            pad[:len(mine)] = torch.tensor(mine, device=device)
-            all_losses = comm.gather(pad)
-            if rank == 0:
-                agg = Aggregator(model, layout)
-                if mode == "true":
-                    agg.add(sub, subnets[0], full=False)
-                else:
-                    agg.add(model, subnets[0], full=True)
-                flat = torch.empty(numel, dtype=dtype, device=device)
-                for s in range(1, S):  # rank 0 holds one returned subnet at a time
-                    unflatten(sub, comm.recv(flat, s))
-                    agg.add(sub, subnets[s], full=False)
-                del flat
-                agg.write()
-                losses = [[v for v in row.tolist() if not math.isnan(v)] for row in all_losses]
-            else:
-                comm.send(flatten(sub), 0)
-        if rank == 0:
-            flat_losses = [v for row in losses for v in row]
-            rec = {"round": r + 1, "step": r * cfg.interval + len(losses[0]),
-                   "loss": sum(flat_losses) / len(flat_losses),
-                   "worker_loss": [sum(row) / len(row) for row in losses], "lr": _round_lr(cfg, r),
-                   "seconds": time.perf_counter() - t_round, "time_s": time.perf_counter() - t0}
-            history.append(rec)
-            if ckpt is not None:
-                save_checkpoint(ckpt, {"config": asdict(cfg), "round": r + 1, "history": history,
-                                       "seconds": time.perf_counter() - t0,
-                                       "params": {n: p.detach() for n, p in _params(model).items()}})
+    run = _Run(model, blocks, cfg, mode, checkpoint_dir)
+    t0 = time.perf_counter() - run.elapsed
+    bar = tqdm(total=cfg.rounds, initial=run.start, desc=f"twist {mode}", unit="round",
+               disable=not progress or run.rank != 0)
+    for r in range(run.start, cfg.rounds):
+        started = time.perf_counter()
+        subnets = run.layout.blueprint(cfg.workers, _round_generator(cfg.seed, r)) if run.rank == 0 else None
+        losses = run.masked_round(r, subnets) if mode == "masked" else run.distributed_round(r, subnets)
+        if run.rank == 0:
+            rec = run.log(r, losses, started, t0)
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.4g}")
             if callback is not None:
                 callback(rec)
     bar.close()
-    held = [m for m in (model, sub) if m is not None]
-    trained = sub if (sub is not None and trains_sub) else model
-    stats = _rank_stats(held, comm, trained, train_s, batches)
-    stats["rank"] = rank
-    ranks = [stats]
-    if world > 1:
-        ranks = [None] * world if rank == 0 else None
-        torch.distributed.gather_object(stats, ranks, dst=0)
-    seconds = time.perf_counter() - t0
-    if rank == 0:
+    ranks = run.rank_stats()
+    if run.rank == 0:
         record(model, "twist", asdict(cfg), mode=mode, rounds=cfg.rounds, data_blocks=list(blocks.shape),
-               layers=sorted(set(layout.attn_full) | set(layout.mlp_h)))
-    return TwISTResult(mode=mode, history=history, rounds=cfg.rounds, steps=cfg.steps, resumed_from=start,
-                       seconds=seconds, ranks=ranks or [])
+               layers=sorted(set(run.layout.attn_full) | set(run.layout.mlp_h)))
+    return TwISTResult(mode=mode, history=run.history, rounds=cfg.rounds, steps=cfg.steps, resumed_from=run.start,
+                       seconds=time.perf_counter() - t0, ranks=ranks)
 
 
 def _rounds_of(fit_history: list[dict], cfg: TwISTConfig) -> list[dict]:
