@@ -20,25 +20,29 @@ import sys
 import time
 from pathlib import Path
 
-# name: (mode, parts, keep X of R = 12, learning rate: None = --lr)
+# name: mode, parts, keep X of R = 12; optional: lr (default --lr), start (a trained model to continue from,
+# with its own seed so that blueprints and batches are new), steps (default --steps)
 RUNS = {
-    "dp": ("dp", "both", 4, None),
-    "both-4": ("true", "both", 4, None),
-    "ffn-4": ("true", "ffn", 4, None),
-    "attn-4": ("true", "attn", 4, None),
-    "ffn-6": ("true", "ffn", 6, None),
-    "ffn-8": ("true", "ffn", 8, None),
-    "dp-lr1e-4": ("dp", "both", 4, 1e-4),  # the paper's learning rate, for the baselines' sake
+    "dp": dict(mode="dp", parts="both", keep=4),
+    "both-4": dict(mode="true", parts="both", keep=4),
+    "ffn-4": dict(mode="true", parts="ffn", keep=4),
+    "attn-4": dict(mode="true", parts="attn", keep=4),
+    "ffn-6": dict(mode="true", parts="ffn", keep=6),
+    "ffn-8": dict(mode="true", parts="ffn", keep=8),
+    "dp-lr1e-4": dict(mode="dp", parts="both", keep=4, lr=1e-4),  # the paper's learning rate, for the baselines
+    "ffn-4-long": dict(mode="true", parts="ffn", keep=4, start="ffn-4", seed=1, steps=270),  # 360 batches in all
 }
 
 
 def command(name: str, args) -> list[str]:
-    mode, parts, keep, lr = RUNS[name]
-    common = ["twist", "train", "smollm2", "--mode", mode, "--workers", str(args.workers), "--blocks", "12",
-              "--keep", str(keep), "--parts", parts, "--steps", str(args.steps), "--interval", str(args.interval),
-              "--batch-size", str(args.batch_size), "--block-len", str(args.block_len), "--lr", str(lr or args.lr),
-              "--seed", str(args.seed), "--out", str(Path(args.out) / name), "--json", "--quiet"]
-    if mode == "dp":
+    run = RUNS[name]
+    model = str(Path(args.out) / run["start"]) if "start" in run else "smollm2"
+    common = ["twist", "train", model, "--mode", run["mode"], "--workers", str(args.workers), "--blocks", "12",
+              "--keep", str(run["keep"]), "--parts", run["parts"], "--steps", str(run.get("steps", args.steps)),
+              "--interval", str(args.interval), "--batch-size", str(args.batch_size), "--block-len",
+              str(args.block_len), "--lr", str(run.get("lr", args.lr)), "--seed", str(run.get("seed", args.seed)),
+              "--out", str(Path(args.out) / name), "--json", "--quiet"]
+    if run["mode"] == "dp":
         return [sys.executable, "-m", "mlpsurgery", *common]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
             "-m", "mlpsurgery", *common]
