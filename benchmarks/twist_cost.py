@@ -66,7 +66,7 @@ def run(label: str, spec, args, workdir: Path) -> dict:
             "loop_s": extra["twist_seconds"], "ms_per_batch": 1000 * extra["twist_seconds"] / args.steps,
             "ranks": ranks, "rounds": rounds,
             "bytes_per_round": [(s["sent_bytes"] + s["received_bytes"]) / rounds for s in ranks],
-            "final_loss": extra["twist_history"][-1]["loss"]}
+            "final_loss": extra["twist_history"][-1]["loss"], "steps": args.steps}
 
 
 def main() -> None:
@@ -77,12 +77,15 @@ def main() -> None:
     ap.add_argument("--block-len", type=int, default=128)
     ap.add_argument("--out", default="runs/twist/cost")
     ap.add_argument("--img", default="docs/img")
+    ap.add_argument("--only", nargs="*", help="run only these settings (labels of CONFIGS; DDP is always run)")
     args = ap.parse_args()
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"world{args.world}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     for label, spec in CONFIGS[args.world].items():
+        if args.only and label != "DDP" and label not in args.only:
+            continue
         if label not in results:
             results[label] = run(label, spec, args, work)
             results[label]["machine"] = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch gloo"
@@ -102,6 +105,8 @@ def report(results: dict, args) -> None:
     lines = [f"| setting | ms / batch | speed-up vs DDP | worker peak RSS (MiB) | worker params + AdamW (MiB) | "
              f"rank 0 peak RSS (MiB) | bytes / round / worker (MiB) | vs DDP |", "|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():
+        if r.get("steps", args.steps) != args.steps:
+            continue
         w = r["ranks"][1]
         lines.append(f"| {label} | {r['ms_per_batch']:.0f} | {ddp['ms_per_batch'] / r['ms_per_batch']:.2f}x | "
                      f"{w['peak_rss_bytes'] / mib:.0f} | {(w['held_bytes'] + w['optimizer_bytes']) / mib:.0f} | "

@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--spread-seeds", type=int, default=20)
     ap.add_argument("--spread-kappas", type=int, nargs="+", default=[4], help="X of X/12 for Fig. 4 (4)")
     ap.add_argument("--calib-blocks", type=int, default=16)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["table", "heatmap", "spread"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["table", "baselines", "heatmap", "spread"],
+                    help="parts not to compute now (baselines: the Table 1 cells of the baselines that are not "
+                         "cached yet; a later run without --skip fills them in)")
     ap.add_argument("--dp", default="dp", help="the data-parallel model the baselines prune (dp)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -117,6 +119,13 @@ def main() -> None:
         k = keeps(kappa)
         return {"attn": f"attn{k['attn']}of3", "ffn": f"ffn{kappa}of12",
                 "both": f"attn{k['attn']}of3+ffn{kappa}of12"}[part]
+
+    class Skipping(Cache):
+        def get(self, key, fn):
+            return self.data.get(key) if "baselines" in args.skip and key.split("/")[1].split("@")[0] in BASELINES \
+                else super().get(key, fn)
+
+    cache.__class__ = Skipping
 
     def twist_subnet(name: str, part: str, kappa: int, seed: int = 0):
         return twist_extract(model(name), keep=kappa, blocks=12, parts=part, layers=LAYERS, seed=seed)
@@ -168,7 +177,12 @@ def main() -> None:
         for train in ("ffn-8", "ffn-6", "ffn-4", args.dp):
             if have(train):
                 for kappa in KAPPAS:
-                    cache.get(f"heatmap/{train}/ffn{kappa}of12", lambda: ppl(twist_subnet(train, "ffn", kappa)))
+                    # the same subnet (seed 0) as a Table 1 cell: that evaluation is reused, not repeated
+                    same = {"ffn-4": f"table/twist/ffn{kappa}of12", args.dp: entry("dp_random", f"ffn{kappa}of12", args.dp),
+                            f"ffn-{kappa}": f"table/twist_matched/ffn{kappa}of12"}.get(train)
+                    cache.get(f"heatmap/{train}/ffn{kappa}of12",
+                              lambda: {**cache.data[same], "same_as": same} if same in cache.data
+                              else ppl(twist_subnet(train, "ffn", kappa)))
 
     if "spread" not in args.skip:
         for train in [t for t in ("ffn-6", args.dp) if have(t)]:
