@@ -121,7 +121,7 @@ def report(results: dict, args) -> None:
     axes[0].set_ylabel("ms per batch (1 x 128 tokens per worker)")
     axes[1].bar(labels, [results[k]["bytes_per_round"][1] / mib for k in labels],
                 color=["grey"] + ["C1"] * (len(labels) - 1))
-    axes[1].set_ylabel(f"MiB sent + received per worker per round ({args.interval} batches)")
+    axes[1].set_ylabel(f"MiB per worker per round ({args.interval} batches)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(f"SmolLM2 training, {args.world} gloo processes on this machine: true TwIST vs DDP")
