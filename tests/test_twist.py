@@ -214,7 +214,7 @@ def test_one_worker_holding_every_block_is_plain_training():
 def test_masked_training_moves_only_what_it_should_and_records():
     m = four_layers("llama")
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=3, steps=6, batch_size=2, lr=1e-3, shared_first=1,
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=2, steps=4, batch_size=2, lr=1e-3, shared_first=1,
                       shared_last=1, parts="ffn")
     res = twist_train(m, blocks_of(), cfg, progress=False)
     assert [h["round"] for h in res.history] == [1, 2] and all(len(h["worker_loss"]) == 2 for h in res.history)
@@ -229,7 +229,7 @@ def test_masked_training_moves_only_what_it_should_and_records():
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=2, steps=6, batch_size=2, lr=1e-3, shared_first=1,
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=1, steps=3, batch_size=2, lr=1e-3, shared_first=1,
                       shared_last=1)
     a = four_layers("llama")
     twist_train(a, blocks_of(), cfg, progress=False)
