@@ -13,13 +13,15 @@ __version__ = "0.1.0"
 from .capture import Capture, capture_mlp_io
 from .data import LabelledSet, TokenizedCorpus, load_corpus, read_corpus, read_labelled, text_blocks, tokenize_corpus
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError, UnsupportedArchitectureError
-from .io import export, load, save, to_stock
+from .io import export, load, save, subset_model, to_stock
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
 from .measure.perplexity import perplexity
 from .methods.corelocker import (CoreLockerConfig, find_ratio, lock_folder, lock_key, read_key, save_key,
                                  unlock_folder, unlock_key, utility_curve)
 from .methods.nsn import NSNConfig, NSNTrainConfig, nest, set_budget, set_rank, train_nsn
+from .methods.pruning import prune
+from .methods.twist import TwISTConfig, twist_extract, twist_train
 from .models import load_model
 from .modules.nested import NestedLinear
 from .sites import SUPPORTED, AttnWeights, MLPWeights, find_sites, generic_layers
@@ -34,4 +36,5 @@ __all__ = [
     "NSNConfig", "NSNTrainConfig", "nest", "set_budget", "set_rank", "train_nsn", "NestedLinear",
     "CoreLockerConfig", "find_ratio", "lock_folder", "lock_key", "read_key", "save_key", "unlock_folder", "unlock_key",
     "utility_curve",
+    "subset_model", "prune", "TwISTConfig", "twist_extract", "twist_train",
 ]

@@ -19,6 +19,7 @@ All writes go to a temporary sibling folder that is renamed into place, so a cra
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -329,3 +330,111 @@ def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwri
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Foundation addition: a model made of per-layer subsets of KV groups and MLP neurons
+
+
+def _checked_subset(name: str, layer: int, idx, n: int) -> list[int]:
+    idx = [int(i) for i in idx]
+    if not idx or len(set(idx)) != len(idx) or not all(0 <= i < n for i in idx):
+        raise MLPSurgeryError(f"layer {layer}: the {name} to keep must be distinct indices in 0..{n - 1}, "
+                              f"at least one; got {idx[:8]}{' ...' if len(idx) > 8 else ''}")
+    return idx
+
+
+def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
+                 mlp_neurons: dict[int, Any] | None = None) -> nn.Module:
+    """A new model whose layer i keeps only the KV groups `attn_groups[i]` (each with all its query heads;
+    without grouped-query attention a group is one head) and the MLP inner neurons `mlp_neurons[i]`, in the
+    order given; layers not named keep all of theirs, and every other tensor is copied. `model` is not touched.
+
+    Where every layer ends up with the same numbers, the result is a stock model built from a config with
+    fewer heads / a smaller intermediate size, so plain `from_pretrained` loads what `save` writes. Otherwise it
+    is the stock class with narrower projections in the reduced layers (`save` records them, `load` rebuilds
+    them). A model on the meta device gives a model on the meta device (a skeleton for `to_empty`).
+    Raises NotExportableError where the architecture cannot hold fewer heads (its attention takes the head
+    count from the config: gpt2 and opt always, phi3 unless every layer keeps the same number).
+    """
+    from .sites import find_sites
+
+    sites = find_sites(model)
+    spec, n_layers = sites.spec, len(sites)
+    for name, sel in (("attention", attn_groups), ("MLP", mlp_neurons)):
+        bad = sorted(i for i in (sel or {}) if not 0 <= int(i) < n_layers)
+        if bad:
+            raise MLPSurgeryError(f"{name} subsets name layers {bad}; the model has layers 0-{n_layers - 1}")
+    groups = {int(i): _checked_subset("KV groups", int(i), g, sites.attn[int(i)].n_kv)
+              for i, g in (attn_groups or {}).items()}
+    neurons = {int(i): _checked_subset("MLP neurons", int(i), n, sites.mlp[int(i)].h)
+               for i, n in (mlp_neurons or {}).items()}
+    # Every layer is rewritten (unnamed ones whole), so a model already holding subsets narrows again.
+    for i in range(n_layers):
+        groups.setdefault(i, list(range(sites.attn[i].n_kv)))
+        neurons.setdefault(i, list(range(sites.mlp[i].h)))
+    kv_after = [len(groups[i]) for i in range(n_layers)]
+    h_after = [len(neurons[i]) for i in range(n_layers)]
+
+    config = copy_config(model.config)
+    config_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if len(set(kv_after)) == 1 and spec.heads_in_config:
+        if kv_after[0] != config_kv:
+            config.head_dim = sites.attn[0].head_dim
+            config.num_attention_heads = kv_after[0] * (config.num_attention_heads // config_kv)
+            if getattr(config, "num_key_value_heads", None):
+                config.num_key_value_heads = kv_after[0]
+    elif any(k != config_kv for k in kv_after) and not spec.heads_per_layer:
+        why = ("every layer must keep the same number of heads, which its config then states" if spec.heads_in_config
+               else "head_dim is tied to hidden_size / heads and the attention splits its projections by the "
+                    "config's head count")
+        raise NotExportableError(
+            f"{spec.name} cannot hold fewer attention heads here: {why}. Keep all heads (narrow the MLP only), "
+            "or use an architecture whose attention infers its head count (llama, mistral, qwen2/3, gemma)")
+    if len(set(h_after)) == 1:
+        setattr(config, spec.width_key, h_after[0])
+
+    import transformers
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        no_init_weights = contextlib.nullcontext
+    param = next(model.parameters())
+    with torch.device(param.device), no_init_weights():
+        new = getattr(transformers, type(model).__name__)._from_config(config)
+    new.to(param.dtype)
+    new.tie_weights()
+
+    path_of = {id(m): p for p, m in model.named_modules()}
+    rewritten = [path_of[id(m)] + "." for i in groups for m in sites.attn[i].projections()]
+    rewritten += [path_of[id(m)] + "." for i in neurons for m in sites.mlp[i].linears().values()]
+    src_state = model.state_dict()
+    with torch.no_grad():
+        for k, v in new.state_dict().items():
+            if not any(k.startswith(p) for p in rewritten):
+                v.copy_(src_state[k])
+    new_sites = find_sites(new)
+    for i, g in groups.items():
+        site = new_sites.attn[i]
+        if site.n_kv != len(g):
+            n_kv = site.n_kv
+            for role, mod in site.linears().items():
+                if type(mod) is not nn.Linear:
+                    raise NotExportableError(f"layer {i}: the attention projection {role} is a "
+                                             f"{type(mod).__name__}, which cannot be narrowed to fewer heads")
+                fan_in, fan_out = mod.in_features, mod.out_features
+                if role == "o":
+                    fan_in = fan_in // n_kv * len(g)
+                else:
+                    fan_out = fan_out // n_kv * len(g)
+                site.replace_linear(role, nn.Linear(fan_in, fan_out, bias=mod.bias is not None,
+                                                    device=mod.weight.device, dtype=mod.weight.dtype))
+        site.write(sites.attn[i].read().select_groups(g))
+    for i, n in neurons.items():
+        new_sites.mlp[i].write(sites.mlp[i].read().select(n))
+    new._mlpsurgery_history = history(model)
+    new._mlpsurgery_source = source_of(model)
+    if getattr(model, "generation_config", None) is not None:
+        new.generation_config = copy.deepcopy(model.generation_config)
+    return new.train(model.training)

@@ -196,6 +196,11 @@ class ArchSpec:
     attn_norm: str | None = "input_layernorm"
     embeddings: tuple[str, ...] = ("embed_tokens",)  # paths from the base model
     final_norm: str | None = "norm"
+    # A layer may hold a subset of the heads (narrower projections): the attention forward infers the
+    # head count from the projection widths. False where it takes the count from the config.
+    heads_per_layer: bool = True
+    # A config with fewer heads keeps head_dim (the config carries head_dim apart from hidden_size / heads).
+    heads_in_config: bool = True
 
     def at_config(self, config) -> "ArchSpec":
         """The spec adjusted for config switches that move norms (OPT-350m is post-norm)."""
@@ -219,24 +224,25 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                                        pre_norm="pre_feedforward_layernorm",
                                        inner_post_norm="post_feedforward_layernorm", norm_plus_one=True),
     "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
-                                q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks"),
+                                q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks", heads_per_layer=False),
     "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
                      act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",
-                     embeddings=("wte", "wpe"), final_norm="ln_f"),
+                     embeddings=("wte", "wpe"), final_norm="ln_f", heads_per_layer=False, heads_in_config=False),
     "gpt_neox": ArchSpec(name="gpt_neox", layers="layers", up="dense_h_to_4h", gate=None, down="dense_4h_to_h",
                          act="act", pre_norm="post_attention_layernorm", attn="attention", q=None, k=None, v=None,
                          o="dense", qkv="query_key_value", qkv_layout="neox", embeddings=("embed_in",),
-                         final_norm="final_layer_norm"),
+                         final_norm="final_layer_norm", heads_in_config=False),
     "opt": ArchSpec(name="opt", layers="decoder.layers", width_key="ffn_dim", mlp_layout="opt", mlp="", up="fc1", gate=None, down="fc2",
                     act="activation_fn", act_keys=("activation_function",), pre_norm="final_layer_norm",
                     o="out_proj", attn_norm="self_attn_layer_norm",
-                    embeddings=("decoder.embed_tokens", "decoder.embed_positions"), final_norm="decoder.final_layer_norm"),
+                    embeddings=("decoder.embed_tokens", "decoder.embed_positions"), final_norm="decoder.final_layer_norm",
+                    heads_per_layer=False, heads_in_config=False),
     "bert": ArchSpec(name="bert", layers="encoder.layer", decoder=False, mlp_layout="bert", mlp="",
                      up="intermediate.dense", gate=None, down="output.dense", act="intermediate.intermediate_act_fn",
                      pre_norm=None, outer_post_norm="output.LayerNorm", attn="attention",
                      q="self.query", k="self.key", v="self.value", o="output.dense", attn_norm=None,
-                     embeddings=("embeddings",), final_norm=None),
+                     embeddings=("embeddings",), final_norm=None, heads_in_config=False),
 }
 ARCH_SPECS["roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="roberta")
 
@@ -556,16 +562,34 @@ class AttnSite:
 
     @property
     def n_heads(self) -> int:
-        return self.config.num_attention_heads
+        """Query heads of this layer: read off the projection widths where a layer may hold a subset of the
+        heads (ArchSpec.heads_per_layer), else the config's count."""
+        s = self.spec
+        width = self._out_width(s.q) if s.q else None
+        if s.qkv_layout == "neox":
+            width = self._out_width(s.qkv)
+            width = width // 3 if width else None
+        return width // self.head_dim if width else self.config.num_attention_heads
 
     @property
     def n_kv(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.n_heads
+        width = self._out_width(self.spec.k) if self.spec.k else None
+        if width:
+            return width // self.head_dim
+        if self.spec.qkv_layout == "neox":
+            return self.n_heads
+        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
 
     @property
     def head_dim(self) -> int:
         hd = getattr(self.config, "head_dim", None)
-        return hd if hd else self.config.hidden_size // self.n_heads
+        return hd if hd else self.config.hidden_size // self.config.num_attention_heads
+
+    def _out_width(self, name: str) -> int | None:
+        if not self.spec.heads_per_layer:
+            return None
+        mod = self._part(name)
+        return mod.out_features if isinstance(mod, nn.Linear) else None
 
     @property
     def d(self) -> int:

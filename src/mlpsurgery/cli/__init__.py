@@ -17,11 +17,12 @@ from typing import Callable
 from ..errors import MLPSurgeryError
 
 # Command modules, in the order their commands appear in --help.
-COMMAND_MODULES = ("core", "dlr", "key", "nest")
+COMMAND_MODULES = ("core", "dlr", "key", "nest", "twist")
 GROUPS = {
     "eval": "measure a model: perplexity, accuracy, cost",
     "lock": "lock a model (DLR-Lock against fine-tuning, CoreLocker access key)",
     "attack": "attack a locked model the way an adaptive adversary would",
+    "twist": "TwIST: train independent subnets so that random subnets need no pruning search; extract one",
 }
 
 

@@ -1,18 +1,26 @@
-"""Unstructured pruning baselines on the MLP and attention weights of any supported model, reachable
-by every method that compares against pruning at equal sparsity.
+"""Pruning baselines on the MLP and attention weights of any supported model, reachable by every method
+that compares against pruning at equal sparsity.
 
-`magnitude` zeroes the smallest |w| of each weight matrix (layer-wise, the usual LLM-pruning baseline)
-or across all chosen matrices at once (global). Sparsity counts only the chosen parameter types: the
-weight matrices of the MLPs (`ffn`), of the attention projections (`attn`), or both.
+Unstructured (weights zeroed in place; sparsity counts only the chosen parameter types: the weight
+matrices of the MLPs `ffn`, of the attention projections `attn`, or both):
+- `magnitude` zeroes the smallest |w| of each weight matrix (layer-wise, the usual LLM-pruning baseline)
+  or across all chosen matrices at once (global);
+- `wanda` (Sun et al. 2023) scores |w| x the input's norm, per output row;
+- `sparsegpt` (Frantar & Alistarh 2023) prunes and reconstructs each matrix from its inputs' Hessian.
+Structured (whole blocks removed, a physically smaller model; the blocks of TwIST: KV groups and MLP chunks):
+- `fisher` block pruning (TwIST paper §5, after Michel et al. 2019) keeps the blocks of highest Fisher;
+- `random`: a random subnet (`twist_extract`), the TwIST deployment applied to any model.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..errors import MLPSurgeryError
-from ..sites import find_sites
+from ..io import record
+from ..sites import find_sites, linear_weight
 
 PARTS = ("attn", "ffn", "both")
 
@@ -63,3 +71,281 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
     zeros = sum(int((w == 0).sum()) for w in weights.values())
     return {"method": "magnitude", "parts": parts, "scope": scope, "sparsity": zeros / max(total, 1),
             "pruned_params": zeros, "considered_params": total}
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibrated unstructured pruning: Wanda and SparseGPT
+#
+# The math is in pure functions of one weight matrix W (out, in) and the second moment of its inputs
+# H = X^T X / n (in, in); the wiring captures H with forward pre-hooks on the prunable linears, one layer
+# at a time with the earlier layers already pruned (both papers prune "sequentially"), or all layers in one
+# pass on the dense model.
+
+
+def wanda_mask(W: Tensor, h_diag: Tensor, sparsity: float) -> Tensor:
+    """Wanda (Sun et al. 2023): keep-mask of W. Score |W_ij| * ||X_j||_2; in every output row the
+    `sparsity` fraction of lowest scores goes."""
+    scores = W.abs() * h_diag.clamp_min(0).sqrt()[None, :]
+    k = int(sparsity * W.shape[1])
+    keep = torch.ones_like(W, dtype=torch.bool)
+    if k > 0:
+        keep.scatter_(1, scores.argsort(dim=1)[:, :k], False)
+    return keep
+
+
+def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128, percdamp: float = 0.01) -> Tensor:
+    """SparseGPT (Frantar & Alistarh 2023): W with a `sparsity` fraction of its entries zeroed and the rest
+    updated to minimise ||W X - W' X||^2 (optimal brain surgeon column by column with the Cholesky factor
+    of H^-1). The mask is chosen adaptively per block of `blocksize` columns by w^2 / [H^-1]_jj^2."""
+    W = W.detach().float().clone(memory_format=torch.contiguous_format)
+    H = H.detach().float().clone(memory_format=torch.contiguous_format)
+    cols = W.shape[1]
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H += percdamp * torch.mean(torch.diag(H)) * torch.eye(cols, device=H.device)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        scores = W1 ** 2 / torch.diag(Hinv1)[None, :] ** 2
+        k = int(scores.numel() * sparsity)
+        mask1 = torch.zeros(W1.shape, dtype=torch.bool, device=W1.device)
+        if k > 0:
+            mask1.view(-1)[scores.flatten().argsort()[:k]] = True
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q = torch.where(mask1[:, i], torch.zeros_like(w), w)
+            Q1[:, i] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return W
+
+
+def _layer_linears(sites, i: int, parts: str) -> dict[str, nn.Module]:
+    out = {}
+    if parts in ("ffn", "both"):
+        out.update({f"ffn.{role}": m for role, m in sites.mlp[i].linears().items()})
+    if parts in ("attn", "both"):
+        out.update({f"attn.{role}": m for role, m in sites.attn[i].linears().items()})
+    return out
+
+
+def input_moments(model: nn.Module, data: Tensor, linears: dict[str, nn.Module], stop_after: int | None = None,
+                  batch_size: int = 8) -> dict[str, Tensor]:
+    """H = X^T X / n of each named linear's input over the calibration blocks `data` (N, T). The forward
+    stops after layer `stop_after` (nothing downstream is computed)."""
+    from ..capture import _StopForward
+
+    sites = find_sites(model)
+    sums: dict[str, Tensor] = {}
+    rows: dict[str, int] = {}
+
+    def hook(name):
+        def fn(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[name] = sums.get(name, 0) + x.T @ x
+            rows[name] = rows.get(name, 0) + x.shape[0]
+        return fn
+
+    def stop(mod, args, out):
+        raise _StopForward
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    if stop_after is not None:
+        handles.append(sites.mlp[stop_after].exit.register_forward_hook(stop))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in range(0, len(data), batch_size):
+                try:
+                    model(input_ids=data[b:b + batch_size].to(device))
+                except _StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {n: sums[n] / rows[n] for n in sums}
+
+
+def _sparsity_of(sparsity: float | dict, name: str) -> float:
+    s = sparsity.get(name.split(".")[0], 0.0) if isinstance(sparsity, dict) else sparsity
+    if not 0.0 <= s < 1.0:
+        raise MLPSurgeryError(f"sparsity must be in [0, 1), not {s}")
+    return s
+
+
+def layer_moments(model: nn.Module, data: Tensor, parts: str = "both", layers: list[int] | None = None,
+                  batch_size: int = 8) -> dict[int, dict[str, Tensor]]:
+    """Input moments H of every prunable linear of the chosen layers, on the model as it is, in one pass:
+    {layer: {"ffn.up": H, "attn.q": H, ...}} (what a non-sequential `calibrated_prune` uses)."""
+    sites = find_sites(model)
+    layers = list(range(len(sites))) if layers is None else sorted(layers)
+    linears = {f"{i}.{n}": m for i in layers for n, m in _layer_linears(sites, i, parts).items()}
+    flat = input_moments(model, data, linears, stop_after=layers[-1], batch_size=batch_size)
+    return {i: {n.split(".", 1)[1]: h for n, h in flat.items() if int(n.split(".", 1)[0]) == i} for i in layers}
+
+
+def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | dict, method: str, parts: str = "both",
+                     layers: list[int] | None = None, batch_size: int = 8, sequential: bool = True,
+                     moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True) -> dict:
+    """Wanda or SparseGPT, in place. sparsity: one fraction, or {"attn": a, "ffn": f}.
+
+    sequential (the papers' procedure): layer l's input moments are measured with the layers before it
+    already pruned, one partial forward pass per layer. sequential=False measures all layers once on the
+    dense model (one pass; or pass `moments` from `layer_moments` to reuse them across sparsities)."""
+    if method not in ("wanda", "sparsegpt"):
+        raise MLPSurgeryError(f"calibrated pruning is wanda or sparsegpt, not {method!r}")
+    if parts not in PARTS:
+        raise MLPSurgeryError(f"parts must be one of {', '.join(PARTS)}, not {parts!r}")
+    if moments is None and (data is None or data.dim() != 2 or len(data) == 0):
+        raise MLPSurgeryError(f"{method} needs calibration blocks: a non-empty (N, T) tensor of token ids "
+                              "(--data and --calib-blocks on the command line)")
+    sites = find_sites(model)
+    layers = list(range(len(sites))) if layers is None else sorted(layers)
+    if moments is None and not sequential:
+        moments = layer_moments(model, data, parts, layers, batch_size)
+    for i in tqdm(layers, desc=method, unit="layer", disable=not progress):
+        linears = _layer_linears(sites, i, parts)
+        h = moments[i] if moments is not None else input_moments(model, data, linears, stop_after=i,
+                                                                  batch_size=batch_size)
+        for name, mod in linears.items():
+            s = _sparsity_of(sparsity, name)
+            W, _ = linear_weight(mod)
+            with torch.no_grad():
+                if method == "wanda":
+                    W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s).to(W.dtype))
+                else:
+                    W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
+    return {**_report(model, method, parts, layers, sparsity), "sequential": moments is None}
+
+
+def _report(model: nn.Module, method: str, parts: str, layers, sparsity) -> dict:
+    weights = prunable_weights(model, parts, layers)
+    total = sum(w.numel() for w in weights.values())
+    zeros = sum(int((w == 0).sum()) for w in weights.values())
+    return {"method": method, "parts": parts, "target": sparsity, "sparsity": zeros / max(total, 1),
+            "pruned_params": zeros, "considered_params": total}
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured baselines: Fisher block pruning and random subnets (the TwIST blocks, physically removed)
+
+
+def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, progress: bool = True
+                 ) -> dict[tuple[str, int], Tensor]:
+    """Empirical Fisher of every block (paper §5 "Block Prune", after Michel et al. 2019): a gate m_b = 1 on
+    each block's contribution to the output projection; importance = sum over batches of (dL/dm_b)^2."""
+    from .twist import attn_feature_blocks, gate_inputs, mlp_feature_blocks
+
+    if data is None or data.dim() != 2 or len(data) == 0:
+        raise MLPSurgeryError("Fisher block pruning needs calibration blocks: a non-empty (N, T) tensor of token ids")
+    sites = find_sites(model)
+    device = next(model.parameters()).device
+    gates: dict[tuple[str, int], Tensor] = {}
+    handles = []
+    for i, n in layout.attn_full.items():
+        g = gates[("attn", i)] = torch.ones(n, device=device, requires_grad=True)
+        fb = attn_feature_blocks(sites.attn[i]).to(device)
+        handles.append(gate_inputs(sites.attn[i].o_proj, lambda g=g, fb=fb: g[fb]))
+    for i, h in layout.mlp_h.items():
+        g = gates[("ffn", i)] = torch.ones(layout.R, device=device, requires_grad=True)
+        fb = mlp_feature_blocks(h, layout.R).to(device)
+        handles.append(gate_inputs(sites.mlp[i].down_proj, lambda g=g, fb=fb: g[fb]))
+    fisher = {k: torch.zeros_like(g) for k, g in gates.items()}
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    was_training = model.training
+    model.eval()
+    try:
+        keys = list(gates)
+        for b in tqdm(range(0, len(data), batch_size), desc="fisher", unit="batch", disable=not progress):
+            batch = data[b:b + batch_size].to(device)
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            for k, gr in zip(keys, torch.autograd.grad(loss, [gates[k] for k in keys])):
+                fisher[k] += gr.detach() ** 2
+    finally:
+        for h in handles:
+            h.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(was_training)
+    return fisher
+
+
+def fisher_subnet(fisher: dict[tuple[str, int], Tensor], layout):
+    """Per layer, the N_sub blocks of highest Fisher (scores from `block_fisher`, possibly computed once for a
+    wider layout and reused across sparsities)."""
+    from .twist import Subnet
+
+    def top(scores: Tensor, k: int) -> list[int]:
+        return sorted(scores.topk(k).indices.tolist())
+
+    return Subnet(attn={i: top(fisher[("attn", i)], layout.attn_sub[i]) for i in layout.attn_full},
+                  mlp={i: top(fisher[("ffn", i)], layout.ffn_sub) for i in layout.mlp_h})
+
+
+def fisher_block_prune(model: nn.Module, data: Tensor, keep: int, blocks: int = 12, parts: str = "both",
+                       layers: list[int] | None = None, attn_keep: int | None = None, batch_size: int = 4,
+                       progress: bool = True) -> tuple[nn.Module, dict]:
+    """Keep, per layer, the `keep` of `blocks` MLP chunks (and attn_keep KV groups) of highest Fisher; the
+    others are removed physically (no rescaling: the baseline masks blocks as trained). Returns a new model."""
+    from .twist import make_layout, materialize
+
+    layers = list(range(len(find_sites(model)))) if layers is None else layers
+    layout = make_layout(model, parts, layers, blocks, keep, attn_keep)
+    fisher = block_fisher(model, data, layout, batch_size=batch_size, progress=progress)
+    subnet = fisher_subnet(fisher, layout)
+    new = materialize(model, layout, subnet, rescale=False)
+    config = {"keep": keep, "blocks": blocks, "parts": parts, "layers": layers, "attn_keep": attn_keep}
+    record(new, "fisher-block-prune", config, calibration=list(data.shape),
+           subnet=subnet.as_dict())
+    return new, {"method": "fisher", "parts": parts, **config,
+                 "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()}}
+
+
+METHODS = ("magnitude", "wanda", "sparsegpt", "fisher", "random")
+
+
+def keep_for_sparsity(sparsity: float, blocks: int) -> int:
+    """Blocks kept out of `blocks` when a `sparsity` fraction of them is removed (at least one)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise MLPSurgeryError(f"sparsity must be in [0, 1), not {sparsity}")
+    return max(1, round((1 - sparsity) * blocks))
+
+
+def prune(model: nn.Module, method: str, sparsity: float, parts: str = "both", layers: list[int] | None = None,
+          data: Tensor | None = None, blocks: int = 12, seed: int = 0, progress: bool = True
+          ) -> tuple[nn.Module, dict]:
+    """One baseline at one sparsity of the chosen weights. Unstructured methods (magnitude, wanda, sparsegpt)
+    zero weights in place; structured ones (fisher, random) keep round((1-sparsity) x blocks) of `blocks` MLP
+    chunks per layer (and the matching share of KV groups) and return a new, physically smaller model."""
+    if method not in METHODS:
+        raise MLPSurgeryError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
+    if method == "magnitude":
+        report = magnitude_prune(model, sparsity, parts=parts, layers=layers)
+        record(model, "magnitude-prune", {"sparsity": sparsity, "parts": parts, "layers": layers})
+        return model, report
+    if method in ("wanda", "sparsegpt"):
+        report = calibrated_prune(model, data, sparsity, method, parts=parts, layers=layers, progress=progress)
+        record(model, f"{method}-prune", {"sparsity": sparsity, "parts": parts, "layers": layers},
+               calibration=list(data.shape))
+        return model, report
+    keep = keep_for_sparsity(sparsity, blocks)
+    if method == "fisher":
+        return fisher_block_prune(model, data, keep, blocks, parts, layers, progress=progress)
+    from .twist import twist_extract
+
+    layers = list(range(len(find_sites(model)))) if layers is None else layers
+    new = twist_extract(model, keep=keep, blocks=blocks, parts=parts, layers=layers, seed=seed)
+    return new, {"method": "random", "parts": parts, "keep": keep, "blocks": blocks, "seed": seed}

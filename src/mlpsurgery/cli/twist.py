@@ -1,0 +1,225 @@
+"""TwIST commands: `twist train`, `twist extract`, and the pruning baselines (`prune`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import MLPSurgeryError
+from ..report import human_bytes, human_count, table
+from . import command, device_of
+from .core import MODEL_HELP, _load
+
+
+def _ints(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MLPSurgeryError(f"{text!r} is not a comma-separated list of block indices (e.g. 0,3)") from None
+
+
+def _free_out(out: str, overwrite: bool) -> None:
+    """Refuse an occupied --out before hours of training, not after."""
+    p = Path(out)
+    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
+        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+
+
+# ---- twist train ------------------------------------------------------------------------------------
+
+def run_train(args) -> dict:
+    import torch
+
+    from ..data import load_corpus
+    from ..io import save
+    from ..methods.twist import TwISTConfig, init_distributed, twist_train
+
+    cfg = TwISTConfig(workers=args.workers, blocks=args.blocks, keep=args.keep, attn_keep=args.attn_keep,
+                      parts=args.parts, shared_first=args.shared_first, shared_last=args.shared_last,
+                      common_attn=_ints(args.common_attn), common_ffn=_ints(args.common_ffn), interval=args.interval,
+                      steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                      seed=args.seed)
+    device = device_of(args)
+    rank, world = (0, 1)
+    if args.mode != "masked":
+        if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+        rank, world = init_distributed(device)
+    ckpt = Path(args.checkpoint) if args.checkpoint else Path(args.out).with_name(Path(args.out).name + ".checkpoint")
+    if args.no_checkpoint:
+        ckpt = None
+    model = blocks = loaded = None
+    if rank == 0:
+        _free_out(args.out, args.overwrite)
+        loaded = _load(args)
+        loaded.model.to(device)
+        corpus = load_corpus(args.data, loaded.require_tokenizer())
+        blocks = corpus.blocks("train", args.block_len, max_blocks=args.max_blocks,
+                               seed=args.seed if args.max_blocks else None)
+        model = loaded.model
+    # TwIST checkpoints on rank 0 (the central model); DDP ranks each keep their own copy
+    own = ckpt if rank == 0 or args.mode == "dp" else None
+    res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=own, progress=not args.quiet)
+    if rank != 0:
+        return {"rank": rank, **res.ranks[0]} if res.ranks else {"rank": rank}
+    model.eval()
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite,
+         extra={"twist_history": res.history, "twist_ranks": res.ranks, "twist_seconds": res.seconds,
+                "twist_mode": args.mode, "world_size": world})
+    if ckpt is not None:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return {"out": args.out, "model": loaded.source, "mode": args.mode, "workers": cfg.workers, "world_size": world,
+            "kappa": f"{cfg.keep}/{cfg.blocks}", "parts": cfg.parts, "rounds": res.rounds, "steps": res.steps,
+            "resumed_from_round": res.resumed_from, "seconds": res.seconds, "data_blocks": list(blocks.shape),
+            "final_loss": res.history[-1]["loss"] if res.history else None, "history": res.history,
+            "ranks": res.ranks}
+
+
+def render_train(r: dict) -> str:
+    if "out" not in r:
+        return f"rank {r['rank']} done"
+    rows = [{"round": h["round"], "step": h["step"], "loss": h["loss"], "s": h.get("seconds", "")}
+            for h in r["history"]]
+    ranks = [{"rank": s.get("rank"), "held params": human_count(s["held_params"]),
+              "held": human_bytes(s["held_bytes"]), "peak RSS": human_bytes(s["peak_rss_bytes"]),
+              "sent": human_bytes(s["sent_bytes"]), "received": human_bytes(s["received_bytes"])}
+             for s in r["ranks"]]
+    return "\n".join([
+        f"{r['mode']} run of {r['model']}: S={r['workers']} workers, kappa {r['kappa']} ({r['parts']}), "
+        f"{r['rounds']} rounds / {r['steps']} batches per worker on {r['data_blocks'][0]} blocks of "
+        f"{r['data_blocks'][1]} tokens, {r['seconds']:.0f} s",
+        table(rows[-10:]), table(ranks), f"saved to {r['out']}"])
+
+
+# ---- twist extract ----------------------------------------------------------------------------------
+
+def run_extract(args) -> dict:
+    from ..io import replaced_modules, save
+    from ..measure.cost import count_params
+    from ..methods.twist import twist_extract
+    from ..models import load_model
+
+    _free_out(args.out, args.overwrite)
+    loaded = load_model(args.dir)
+    loaded.model.to(device_of(args))
+    new = twist_extract(loaded.model, keep=args.keep, blocks=args.blocks, parts=args.parts, attn_keep=args.attn_keep,
+                        shared_first=args.shared_first, shared_last=args.shared_last, seed=args.seed,
+                        rescale=not args.no_rescale)
+    save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    before, after = count_params(loaded.model), count_params(new)
+    entry = new._mlpsurgery_history[-1]
+    return {"out": args.out, "from": args.dir, "seed": args.seed, "config": entry["config"],
+            "subnet": entry["provenance"]["subnet"], "params_before": before["total"], "params_after": after["total"],
+            "attention_params": [before["attention"], after["attention"]], "mlp_params": [before["mlp"], after["mlp"]],
+            "plain_transformers": not replaced_modules(new)}
+
+
+def render_extract(r: dict) -> str:
+    c = r["config"]
+    how = ("a stock model: plain transformers from_pretrained loads it" if r["plain_transformers"] else
+           "layer widths differ (shared layers whole): load it with mlpsurgery.load")
+    return (f"subnet kappa {c['keep']}/{c['blocks']} ({c['parts']}, seed {r['seed']}) of {r['from']}: "
+            f"{human_count(r['params_before'])} -> {human_count(r['params_after'])} parameters (attention "
+            f"{human_count(r['attention_params'][0])} -> {human_count(r['attention_params'][1])}, MLP "
+            f"{human_count(r['mlp_params'][0])} -> {human_count(r['mlp_params'][1])})\n  {how}\n  saved to {r['out']}")
+
+
+# ---- prune ------------------------------------------------------------------------------------------
+
+def run_prune(args) -> dict:
+    from ..data import load_corpus
+    from ..io import save
+    from ..methods.pruning import prune
+    from ..sites import find_sites, parse_layers
+
+    _free_out(args.out, args.overwrite)
+    loaded = _load(args)
+    blocks = None
+    if args.method in ("wanda", "sparsegpt", "fisher"):
+        corpus = load_corpus(args.data, loaded.require_tokenizer())
+        blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
+    layers = parse_layers(args.layers, len(find_sites(loaded.model)))
+    model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
+                          blocks=args.blocks, seed=args.seed, progress=not args.quiet)
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    return {**report, "out": args.out, "model": loaded.source, "layers": layers,
+            "calibration": None if blocks is None else list(blocks.shape)}
+
+
+def render_prune(r: dict) -> str:
+    what = f"{r['method']} pruning of {r['model']} ({r['parts']}, layers {r['layers'][0]}-{r['layers'][-1]})"
+    if "sparsity" in r:
+        what += f": sparsity {r['sparsity']:.4f} of {human_count(r['considered_params'])} weights"
+    if r.get("calibration"):
+        what += f", calibrated on {r['calibration'][0]} blocks of {r['calibration'][1]} tokens"
+    return f"{what}\n  saved to {r['out']}"
+
+
+def register(sub, groups) -> None:
+    g = groups["twist"]
+    p = command(g, "train", run_train, render_train,
+                "train with TwIST (independent subnets; masked in one process, true / hybrid under torchrun) "
+                "or the data-parallel baseline (--mode dp)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="folder for the trained (full, dense) model")
+    p.add_argument("--workers", type=int, default=4, help="S: subnets per round; processes under torchrun (4)")
+    p.add_argument("--blocks", type=int, default=12, help="R: MLP chunks per layer (12)")
+    p.add_argument("--keep", type=int, default=6, help="X: MLP chunks per subnet, kappa = X/R (6)")
+    p.add_argument("--attn-keep", type=int, help="KV groups per subnet (default: round(kappa x groups), at least 1)")
+    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
+    p.add_argument("--mode", choices=("masked", "true", "hybrid", "dp"), default="masked",
+                   help="masked: one process; true / hybrid: one process per worker under `torchrun "
+                        "--nproc-per-node S -m mlpsurgery twist train ...`; dp: data-parallel baseline (DDP under "
+                        "torchrun)")
+    p.add_argument("--data", help="training text: file, folder of .txt, or austen (default) / r8")
+    p.add_argument("--steps", type=int, default=150, help="batches per worker over the run (150)")
+    p.add_argument("--interval", type=int, default=15, help="repartition interval in batches (15, as the paper)")
+    p.add_argument("--batch-size", type=int, default=2, help="blocks per batch and worker (2)")
+    p.add_argument("--block-len", type=int, default=128, help="tokens per block (128)")
+    p.add_argument("--max-blocks", type=int, help="use a random subset of this many training blocks")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--shared-first", type=int, default=2, help="first layers every subnet holds whole (2)")
+    p.add_argument("--shared-last", type=int, default=2, help="last layers every subnet holds whole (2)")
+    p.add_argument("--common-attn", help="common set C of KV groups, e.g. 0 (default: none)")
+    p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun resumes from it)")
+    p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = command(g, "extract", run_extract, render_extract,
+                "deploy one random subnet at kappa = X/R as a physically smaller dense model (no data, no search)")
+    p.add_argument("dir", help="a TwIST-trained folder (or any MODEL: a random subnet of it)")
+    p.add_argument("--keep", type=int, required=True, help="X: MLP chunks kept per layer (kappa = X/R)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0, help="which random subnet (0)")
+    p.add_argument("--blocks", type=int, help="R (default: as trained, else 12)")
+    p.add_argument("--parts", choices=("attn", "ffn", "both"), help="default: as trained, else both")
+    p.add_argument("--attn-keep", type=int, help="KV groups kept (default: round(kappa x groups), at least 1)")
+    p.add_argument("--shared-first", type=int, help="first layers kept whole (default: as trained, else 2; 0 and "
+                   "--shared-last 0 give uniform widths: a plain transformers model)")
+    p.add_argument("--shared-last", type=int, help="last layers kept whole (default: as trained, else 2)")
+    p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = command(sub, "prune", run_prune, render_prune,
+                "pruning baselines at a given sparsity of the chosen weights: magnitude, Wanda, SparseGPT "
+                "(unstructured), Fisher block pruning and random subnets (structured)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt", "fisher", "random"), required=True)
+    p.add_argument("--sparsity", type=float, required=True,
+                   help="fraction of the chosen weights removed; for fisher / random: of the blocks per layer")
+    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
+    p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
+    p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher): file, folder, austen (default) / r8")
+    p.add_argument("--calib-blocks", type=int, default=16, help="calibration blocks (16)")
+    p.add_argument("--block-len", type=int, default=128, help="tokens per calibration block (128)")
+    p.add_argument("--blocks", type=int, default=12, help="R for fisher / random: MLP chunks per layer (12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")

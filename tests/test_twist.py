@@ -1,0 +1,288 @@
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from conftest import outputs
+from mlpsurgery.errors import MLPSurgeryError, NotExportableError
+from mlpsurgery.io import load, replaced_modules, save, subset_model
+from mlpsurgery.methods.twist import (Aggregator, Subnet, TwISTConfig, attn_keep_for, check_subnet_size,
+                                      deployment_subnet, generate_blueprint, make_layout, materialize, subnet_hooks,
+                                      twist_extract, twist_train)
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import tiny_config, tiny_model
+
+
+@st.composite
+def blueprint_case(draw):
+    n_full = draw(st.integers(1, 16))
+    workers = draw(st.integers(1, 6))
+    c = draw(st.integers(0, n_full))
+    common = draw(st.lists(st.integers(0, n_full - 1), min_size=c, max_size=c, unique=True))
+    low = max(1, -(-(n_full + (workers - 1) * len(common)) // workers), len(common))
+    n_sub = draw(st.integers(min(low, n_full), n_full))
+    return n_full, n_sub, workers, common, draw(st.integers(0, 2 ** 31))
+
+
+@settings(max_examples=400, deadline=None)
+@given(blueprint_case())
+def test_blueprint_guarantees(case):
+    n_full, n_sub, workers, common, seed = case
+    rows = generate_blueprint(n_full, n_sub, workers, common, torch.Generator().manual_seed(seed))
+    assert len(rows) == workers
+    for row in rows:
+        assert row == sorted(row) and len(set(row)) == n_sub == len(row)  # sorted, unique, N_sub blocks
+        assert set(common) <= set(row)  # the common set is in every subnet
+        assert all(0 <= b < n_full for b in row)
+    assert set().union(*map(set, rows)) == set(range(n_full))  # every block is trained by some subnet
+    again = generate_blueprint(n_full, n_sub, workers, common, torch.Generator().manual_seed(seed))
+    assert again == rows  # seeded
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 16), st.integers(2, 6), st.data())
+def test_subnets_too_small_to_cover_are_refused(n_full, workers, data):
+    c = data.draw(st.integers(0, n_full - 2))
+    bound = (n_full + (workers - 1) * c) / workers
+    top = math.ceil(bound) - 1
+    assume(top >= max(1, c))
+    n_sub = data.draw(st.integers(max(1, c), top))
+    with pytest.raises(MLPSurgeryError, match=r"\(N_full \+ \(S-1\)\|C\|\)/S"):
+        generate_blueprint(n_full, n_sub, workers, list(range(c)))
+
+
+def test_blueprint_is_random_across_seeds_and_errors_are_clear():
+    seen = {tuple(map(tuple, generate_blueprint(12, 4, 3, (), torch.Generator().manual_seed(s)))) for s in range(30)}
+    assert len(seen) > 20
+    with pytest.raises(MLPSurgeryError, match="keep at least 4|Keep at least 4"):
+        check_subnet_size(12, 3, 3)
+    with pytest.raises(MLPSurgeryError, match="between 1 and 12"):
+        check_subnet_size(12, 13, 1)
+    with pytest.raises(MLPSurgeryError, match="common set"):
+        check_subnet_size(12, 2, 12, common=(0, 1, 2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.data())
+def test_deployment_subnet(n_full, data):
+    n_sub = data.draw(st.integers(1, n_full))
+    common = data.draw(st.lists(st.integers(0, n_full - 1), max_size=n_sub, unique=True))
+    seed = data.draw(st.integers(0, 1000))
+    row = deployment_subnet(n_full, n_sub, common, torch.Generator().manual_seed(seed))
+    assert row == sorted(set(row)) and len(row) == n_sub and set(common) <= set(row)
+    assert row == deployment_subnet(n_full, n_sub, common, torch.Generator().manual_seed(seed))
+
+
+def test_kappa_maps_to_kv_groups_as_documented():
+    # SmolLM2: 3 KV groups per layer
+    assert [attn_keep_for(x / 12, 3) for x in (12, 8, 6, 4, 3, 1)] == [3, 2, 2, 1, 1, 1]
+    assert [attn_keep_for(x / 12, 12) for x in (8, 6, 4, 3)] == [8, 6, 4, 3]
+
+
+# ---- blocks, masks, extraction --------------------------------------------------------------------
+
+SUBSET_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "bert",
+                "roberta")
+
+
+def four_layers(arch, seed=0):
+    """A tiny model with 4 layers (2 partitioned between shared first and last ones)."""
+    extra = {}
+    layer_types = getattr(tiny_config(arch), "layer_types", None)
+    if layer_types:  # per-layer attention kinds are listed per layer: extend the list
+        extra["layer_types"] = (list(layer_types) * 2)[:4]
+    return tiny_model(arch, seed=seed, num_hidden_layers=4, **extra)
+
+
+@pytest.mark.parametrize("arch", ("llama", "gpt2", "bert", "phi3", "opt"))
+def test_all_blocks_kept_is_the_original_model_exactly(arch, ids):
+    m = four_layers(arch)
+    ref = outputs(m, ids)
+    layout = make_layout(m, "both", [1, 2], blocks=4, keep=4)
+    full = Subnet(attn={i: list(range(layout.attn_full[i])) for i in layout.attn_full},
+                  mlp={i: [0, 1, 2, 3] for i in layout.mlp_h})
+    with subnet_hooks(m, layout, full):
+        assert torch.equal(outputs(m, ids), ref)
+    x = twist_extract(m, keep=4, blocks=4, parts="both", layers=[1, 2], seed=3)
+    assert torch.equal(outputs(x, ids), ref)
+    assert not replaced_modules(x) and sum(p.numel() for p in x.parameters()) == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("arch", SUBSET_ARCHS)
+def test_extracted_subnet_is_the_masked_model_with_scaling(arch, ids):
+    m = four_layers(arch)
+    layout = make_layout(m, "both", [1, 2], blocks=4, keep=2, attn_keep=1)
+    sub = layout.deployment(torch.Generator().manual_seed(5))
+    with subnet_hooks(m, layout, sub):
+        masked = outputs(m, ids)
+    x = materialize(m, layout, sub)
+    assert torch.allclose(outputs(x, ids), masked, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(outputs(m, ids), masked, atol=1e-3)  # the subnet does differ from the model
+    before, after = find_sites(m), find_sites(x)
+    assert [s.n_kv for s in after.attn] == [before.attn[0].n_kv, 1, 1, before.attn[3].n_kv]
+    assert [s.h for s in after.mlp] == [64, 32, 32, 64]
+
+
+@pytest.mark.parametrize("arch", ("gpt2", "opt", "phi3"))
+def test_heads_that_cannot_go_are_refused_but_mlp_subnets_work(arch, ids):
+    m = four_layers(arch)
+    with pytest.raises(NotExportableError, match="cannot hold fewer attention heads"):
+        twist_extract(m, keep=2, blocks=4, parts="attn", attn_keep=1, layers=[1, 2])
+    layout = make_layout(m, "ffn", [1, 2], blocks=4, keep=2)
+    sub = layout.deployment(torch.Generator().manual_seed(0))
+    with subnet_hooks(m, layout, sub):
+        masked = outputs(m, ids)
+    assert torch.allclose(outputs(materialize(m, layout, sub), ids), masked, atol=1e-5, rtol=1e-5)
+
+
+def test_uniform_subnet_is_a_plain_transformers_model(tmp_path, ids):
+    from transformers import AutoModelForCausalLM
+
+    m = four_layers("qwen3")
+    x = twist_extract(m, keep=2, blocks=4, parts="both", shared_first=0, shared_last=0, seed=1)
+    assert not replaced_modules(x) and x.config.num_key_value_heads == 1 and x.config.intermediate_size == 32
+    save(x, tmp_path / "sub")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "sub").eval()
+    assert torch.equal(outputs(plain, ids), outputs(x, ids))
+
+
+def test_subnet_with_shared_layers_round_trips_through_save_load(tmp_path, ids):
+    m = four_layers("llama")
+    x = twist_extract(m, keep=1, blocks=4, parts="both", layers=[1, 2], seed=2)
+    assert replaced_modules(x)  # narrower projections in layers 1-2 only
+    save(x, tmp_path / "sub")
+    assert torch.equal(outputs(load(tmp_path / "sub"), ids), outputs(x, ids))
+    assert load(tmp_path / "sub")._mlpsurgery_history[-1]["method"] == "twist-extract"
+
+
+def test_subset_model_errors():
+    m = four_layers("llama")
+    with pytest.raises(MLPSurgeryError, match="distinct indices"):
+        subset_model(m, attn_groups={0: [0, 0]})
+    with pytest.raises(MLPSurgeryError, match="layers 0-3"):
+        subset_model(m, mlp_neurons={7: [0]})
+    with pytest.raises(MLPSurgeryError, match="equal chunks"):
+        make_layout(m, "ffn", [1], blocks=5, keep=2)
+
+
+# ---- aggregation and training ----------------------------------------------------------------------
+
+def test_aggregation_is_fedavg():
+    m = four_layers("llama")
+    layout = make_layout(m, "both", [1, 2], blocks=4, keep=2, attn_keep=1)
+    subnets = layout.blueprint(3, torch.Generator().manual_seed(0))
+    agg = Aggregator(m, layout)
+    for s, sub in enumerate(subnets):  # worker s returns the value s + 1 everywhere
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(s + 1.0)
+        agg.add(m, sub, full=True)
+    agg.write()
+    sites = find_sites(m)
+    assert torch.all(m.model.embed_tokens.weight == 2.0) and torch.all(sites.attn[0].read().q == 2.0)  # shared
+    for i in (1, 2):
+        w = sites.mlp[i].read()
+        for chunk in range(4):
+            holders = [s + 1.0 for s, sub in enumerate(subnets) if chunk in sub.mlp[i]]
+            cols = layout.neurons(i, [chunk])
+            assert torch.all(w.down[:, cols] == sum(holders) / len(holders))
+            assert torch.all(w.up[cols] == sum(holders) / len(holders))
+        a = sites.attn[i].read()
+        for g in range(2):
+            holders = [s + 1.0 for s, sub in enumerate(subnets) if g in sub.attn[i]]
+            assert torch.all(a.k[g] == sum(holders) / len(holders))
+            assert torch.all(a.o[:, a.heads_of_groups([g])] == sum(holders) / len(holders))
+
+
+def blocks_of(seed=0, n=24, t=32):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_one_worker_holding_every_block_is_plain_training():
+    cfg = TwISTConfig(workers=1, blocks=4, keep=4, interval=5, steps=5, batch_size=2, lr=1e-3, shared_first=1,
+                      shared_last=1)
+    a, b = four_layers("llama"), four_layers("llama")
+    twist_train(a, blocks_of(), cfg, progress=False)
+    twist_train(b, blocks_of(), cfg, mode="dp", progress=False)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_masked_training_moves_only_what_it_should_and_records():
+    m = four_layers("llama")
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=2, steps=4, batch_size=2, lr=1e-3, shared_first=1,
+                      shared_last=1, parts="ffn")
+    res = twist_train(m, blocks_of(), cfg, progress=False)
+    assert [h["round"] for h in res.history] == [1, 2] and all(len(h["worker_loss"]) == 2 for h in res.history)
+    changed = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert "model.layers.1.mlp.down_proj.weight" in changed and "model.embed_tokens.weight" in changed
+    assert m._mlpsurgery_history[-1]["method"] == "twist"
+    # zero learning rate: aggregation puts every value back where it came from
+    m2 = four_layers("llama")
+    ref = [p.detach().clone() for p in m2.parameters()]
+    twist_train(m2, blocks_of(), TwISTConfig(**{**cfg.__dict__, "lr": 0.0}), progress=False)
+    assert all(torch.equal(p, r) for p, r in zip(m2.parameters(), ref))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=1, steps=3, batch_size=2, lr=1e-3, shared_first=1,
+                      shared_last=1)
+    a = four_layers("llama")
+    twist_train(a, blocks_of(), cfg, progress=False)
+
+    def stop(rec):
+        if rec["round"] == 2:
+            raise KeyboardInterrupt
+
+    b = four_layers("llama")
+    with pytest.raises(KeyboardInterrupt):
+        twist_train(b, blocks_of(), cfg, checkpoint_dir=tmp_path / "ck", progress=False, callback=stop)
+    c = four_layers("llama", seed=7)  # a fresh process: another init, restored from the checkpoint
+    res = twist_train(c, blocks_of(), cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    assert res.resumed_from == 2 and len(res.history) == 3
+    for pa, pc in zip(a.parameters(), c.parameters()):
+        assert torch.equal(pa, pc)
+    with pytest.raises(MLPSurgeryError, match="other settings"):
+        twist_train(c, blocks_of(), TwISTConfig(**{**cfg.__dict__, "keep": 3}), checkpoint_dir=tmp_path / "ck",
+                    progress=False)
+
+
+def test_training_errors_come_before_any_work():
+    m = four_layers("llama")
+    with pytest.raises(MLPSurgeryError, match="cannot cover every block"):
+        twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=1, shared_first=1, shared_last=1),
+                    progress=False)
+    with pytest.raises(MLPSurgeryError, match="torchrun"):
+        twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=2), mode="true", progress=False)
+    with pytest.raises(MLPSurgeryError, match="no layer is partitioned"):
+        twist_train(tiny_model("llama"), blocks_of(), TwISTConfig(workers=2, blocks=4, keep=2), progress=False)
+    with pytest.raises(MLPSurgeryError, match="causal language models"):
+        twist_train(four_layers("bert"), blocks_of(), TwISTConfig(), progress=False)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+def test_cli_train_extract(tmp_path, capsys):
+    from mlpsurgery.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 60)
+    code = main(["twist", "train", "tiny:llama", "--out", str(tmp_path / "tw"), "--workers", "2", "--blocks", "4",
+                 "--keep", "2", "--steps", "4", "--interval", "2", "--shared-first", "0", "--shared-last", "1",
+                 "--data", str(text), "--block-len", "32", "--json", "--quiet"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["rounds"] == 2 and len(r["history"]) == 2
+    assert not (tmp_path / "tw.checkpoint").exists()
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub"), "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["config"]["blocks"] == 4 and r["params_after"] < r["params_before"]
+    assert r["config"]["layers"] == [0] and not r["plain_transformers"]
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub"), "--json"])
+    assert code == 2 and "already exists" in capsys.readouterr().err
+    code = main(["twist", "train", "tiny:llama", "--out", str(tmp_path / "x"), "--workers", "3", "--blocks", "4",
+                 "--keep", "1", "--shared-first", "0", "--shared-last", "0", "--data", str(text)])
+    assert code == 2 and "cannot cover every block" in capsys.readouterr().err and not (tmp_path / "x").exists()
