@@ -16,7 +16,9 @@ from .errors import IntegrityError, MLPSurgeryError, NotExportableError, Unsuppo
 from .io import export, load, save, to_stock
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
+from .measure.ntk import adam_ntk, ntk_error, output_error
 from .measure.perplexity import perplexity
+from .methods.fusion import FusionConfig, fuse, kmeans
 from .models import load_model
 from .sites import SUPPORTED, AttnWeights, MLPWeights, find_sites, generic_layers
 from .train import FitConfig, fit
@@ -27,4 +29,5 @@ __all__ = [
     "UnsupportedArchitectureError", "export", "load", "save", "to_stock", "accuracy", "embed", "probe_accuracy",
     "compare_cost", "count_params", "flops_per_token", "inspect", "max_batch", "measure_cost", "perplexity",
     "load_model", "SUPPORTED", "AttnWeights", "MLPWeights", "find_sites", "generic_layers", "FitConfig", "fit",
+    "adam_ntk", "ntk_error", "output_error", "FusionConfig", "fuse", "kmeans",
 ]

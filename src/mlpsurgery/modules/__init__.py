@@ -75,3 +75,4 @@ def module_config(mod: nn.Module) -> dict[str, Any]:
 
 # Importing the module files registers their classes.
 from . import dense  # noqa: E402,F401
+from . import fused  # noqa: E402,F401
