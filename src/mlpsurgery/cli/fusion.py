@@ -136,7 +136,7 @@ def register(sub, groups) -> None:
                    "the one-shot, data-free compression")
     p.add_argument("--tune-blocks", type=int, default=64, help="token blocks of tune data to use (64)")
     p.add_argument("--tune-steps", type=int, help="tuning steps (default: one epoch over the tune tokens)")
-    p.add_argument("--tune-lr", type=float, default=1e-4)
+    p.add_argument("--tune-lr", type=float, default=1e-3)
     p.add_argument("--block-len", type=int, default=128, help="tokens per tune block (128)")
     p.add_argument("--importance", choices=("weight", "activation"), default="weight",
                    help="neuron-pruning score (activation needs --tune-data)")

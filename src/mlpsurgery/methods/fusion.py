@@ -71,7 +71,7 @@ class FusionConfig:
     mmd_lr: float = 0.03  # in units of the neuron vectors' standard deviation
     importance: str = "weight"  # neuron pruning score: weight (data-free) | activation (needs tune data)
     tune_steps: int | None = None  # layer-wise tuning steps; None: one epoch over the tune tokens
-    tune_lr: float = 1e-4
+    tune_lr: float = 1e-3
     tune_batch: int = 512  # token rows per tuning step
 
     def validate(self) -> None:
