@@ -291,9 +291,13 @@ def test_cli_fuse_then_export_and_eval_ntk(capsys, tmp_path):
     assert main(["export", str(tmp_path / "m"), "--out", str(tmp_path / "hf"), "--quiet"]) == 0
     capsys.readouterr()
     code = main(["eval", "ntk", "tiny:gpt2", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"), "--n", "4",
-                 "--block-len", "32", "--json"])
+                 "--block-len", "32", "--scope", "both", "--json"])
     r = json.loads(capsys.readouterr().out)
-    assert code == 0 and r["layers"] == [0, 1] and r["ntk_error"] > 0 and len(r["output"]["layers"]) == 2
+    assert code == 0 and r["layers"] == [0, 1] and r["model"]["ntk_error"] > 0 and len(r["output"]["layers"]) == 2
+    assert [x["layer"] for x in r["mlp"]["layers"]] == [0, 1] and r["mlp"]["ntk_error_rel"] > 0
+    assert main(["eval", "ntk", "tiny:gpt2", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"), "--n", "3",
+                 "--block-len", "32", "--scope", "mlp", "--quiet"]) == 0
+    assert "per-MLP Adam NTK" in capsys.readouterr().out
 
 
 def test_cli_fuse_refuses_a_busy_out_and_bad_width(capsys, tmp_path):

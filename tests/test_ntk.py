@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mlpsurgery.errors import MLPSurgeryError
-from mlpsurgery.measure.ntk import (adam_ntk, compressed_layers, ntk_error, output_error, scalar_output,
-                                    sites_parameters)
+from mlpsurgery.measure.ntk import (adam_ntk, compressed_layers, mlp_ntk_error, ntk_error, output_error,
+                                    scalar_output, sites_parameters)
 from mlpsurgery.methods.fusion import FusionConfig, fuse, keep_pruned_zero
 from mlpsurgery.tiny import tiny_model
 
@@ -94,3 +94,18 @@ def test_compressed_layers_and_output_error_see_what_changed():
     assert [r["layer"] for r in out["layers"]] == [0] and out["error_rel"] > 0 and out["final_hidden_error_rel"] > 0
     with pytest.raises(MLPSurgeryError, match="do not exist"):
         adam_ntk(a, IDS, [5], progress=False)
+
+
+def test_per_mlp_kernel_vanishes_at_k_equal_h_and_sees_compression():
+    a = tiny_model("llama")
+    b = copy.deepcopy(a)
+    fuse(b, FusionConfig(width=64, layers="all", n_init=1), progress=False)  # k = h: a permutation, P = 1
+    exact = mlp_ntk_error(a, b, IDS[:3], layers=[0, 1], progress=False)
+    assert exact["ntk_error_rel"] < 1e-5
+    c = copy.deepcopy(a)
+    fuse(c, FusionConfig(width=8, layers="1"), progress=False)
+    cache: dict = {}
+    first = mlp_ntk_error(a, c, IDS[:3], progress=False, reference_cache=cache)
+    again = mlp_ntk_error(a, c, IDS[:3], progress=False, reference_cache=cache)
+    assert [r["layer"] for r in first["layers"]] == [1] and first["ntk_error_rel"] > 1e-3 and list(cache) == [1]
+    assert again["ntk_error"] == first["ntk_error"]

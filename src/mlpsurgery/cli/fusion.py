@@ -76,7 +76,7 @@ def run_ntk(args) -> dict:
 
     from ..data import read_labelled, text_blocks
     from ..errors import MLPSurgeryError
-    from ..measure.ntk import ntk_error, output_error
+    from ..measure.ntk import compressed_layers, mlp_ntk_error, ntk_error, output_error
     from ..models import load_model
     from ..sites import find_sites, parse_layers
 
@@ -98,27 +98,38 @@ def run_ntk(args) -> dict:
     if len(ids) < 2:
         raise MLPSurgeryError(f"{args.data} gave {len(ids)} sample(s); the kernel needs at least 2 (more text or a "
                               "smaller --block-len)")
-    layers = parse_layers(args.layers, len(find_sites(ref.model))) if args.layers else None
+    layers = parse_layers(args.layers, len(find_sites(ref.model))) if args.layers else \
+        compressed_layers(ref.model, cand)
     t0 = time.perf_counter()
-    ntk = ntk_error(ref.model, cand, inputs, layers=layers, f=args.f, labels=labels, seed=args.seed,
-                    progress=not args.quiet)
-    out = output_error(ref.model, cand, ids, layers=ntk["layers"])
-    return {"reference": ref.source, "candidate": args.model_b, "data": args.data, "samples": len(ids),
-            "block_len": args.block_len, **{k: v for k, v in ntk.items() if not k.startswith("K_")},
-            "output": out, "seconds": time.perf_counter() - t0}
+    res = {"reference": ref.source, "candidate": args.model_b, "data": args.data, "samples": len(ids),
+           "block_len": args.block_len, "layers": layers, "scope": args.scope, "f": args.f}
+    if args.scope in ("model", "both"):
+        ntk = ntk_error(ref.model, cand, inputs, layers=layers, f=args.f, labels=labels, seed=args.seed,
+                        progress=not args.quiet)
+        res["model"] = {k: v for k, v in ntk.items() if not k.startswith("K_")}
+    if args.scope in ("mlp", "both"):
+        res["mlp"] = mlp_ntk_error(ref.model, cand, ids, layers=layers, seed=args.seed, progress=not args.quiet)
+    res["output"] = output_error(ref.model, cand, ids, layers=layers)
+    res["seconds"] = time.perf_counter() - t0
+    return res
 
 
 def render_ntk(r: dict) -> str:
-    rows = [{"layer": x["layer"], "output error ||H~-H||_F": x["error"], "relative": x["error_rel"]}
+    mlp = {x["layer"]: x for x in r["mlp"]["layers"]} if "mlp" in r else {}
+    rows = [{"layer": x["layer"], "output error ||H~-H||_F": x["error"], "relative": x["error_rel"],
+             **({"per-MLP NTK error (relative)": mlp[x["layer"]]["ntk_error_rel"]} if mlp else {})}
             for x in r["output"]["layers"]]
-    return "\n".join([
-        f"{r['candidate']} vs {r['reference']} on {r['samples']} samples of {r['data']} (f = {r['f']})",
-        f"Adam NTK over the MLPs of layers {r['layers']} ({human_count(r['params_reference'])} vs "
-        f"{human_count(r['params_candidate'])} parameters): ||K_b - K_a||_F = {r['ntk_error']:.5g} "
-        f"(relative {r['ntk_error_rel']:.4f})",
-        table(rows),
-        f"final hidden state relative error {r['output']['final_hidden_error_rel']:.4f} ({r['seconds']:.0f} s)",
-    ])
+    lines = [f"{r['candidate']} vs {r['reference']} on {r['samples']} samples of {r['data']}"]
+    if "model" in r:
+        m = r["model"]
+        lines.append(f"whole-model Adam NTK (f = {r['f']}) over the MLPs of layers {r['layers']} "
+                     f"({human_count(m['params_reference'])} vs {human_count(m['params_candidate'])} parameters): "
+                     f"||K_b - K_a||_F = {m['ntk_error']:.5g} (relative {m['ntk_error_rel']:.4f})")
+    if mlp:
+        lines.append(f"per-MLP Adam NTK: mean relative error {r['mlp']['ntk_error_rel']:.4f}")
+    lines += [table(rows), f"final hidden state relative error {r['output']['final_hidden_error_rel']:.4f} "
+              f"({r['seconds']:.0f} s)"]
+    return "\n".join(lines)
 
 
 def register(sub, groups) -> None:
@@ -161,5 +172,8 @@ def register(sub, groups) -> None:
     p.add_argument("--f", choices=("projection", "logit"), default="projection",
                    help="scalar output: projection (random projection of the mean final hidden state) or logit "
                    "(classifier logit of the true class)")
+    p.add_argument("--scope", choices=("model", "mlp", "both"), default="model",
+                   help="model: f of the whole model, θ = the MLPs of the layers; mlp: each MLP on its own (f = a "
+                   "projection of its output on the original inputs, the paper's Table 1); both")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"))
     p.add_argument("--seed", type=int, default=0, help="sample choice and the projection vector")
