@@ -137,13 +137,22 @@ def report(args) -> None:
         for d in sets:
             accs = [r["accuracy"] for r in rows if r["dataset"] == d and r["method"] == m
                     and r["width"] == (1536 if m == "original" else args.table_width)]
-            cells.append(f"{_ms(accs)} (n={len(accs)})" if accs else "-")
+            seeds = sorted((r["seed"], r["accuracy"]) for r in rows if r["dataset"] == d and r["method"] == m
+                           and r["width"] == (1536 if m == "original" else args.table_width))
+            cells.append(f"{_ms(accs)} (" + ", ".join(f"s{sd}: {100 * a:.1f}" for sd, a in seeds) + ")"
+                         if accs else "-")
         if any(c != "-" for c in cells):
             print(f"| {m} | " + " | ".join(cells) + " |")
     r0 = rows[0]
     print(f"\n{r0['steps']} steps x batch {r0['batch']}, max {r0['max_len']} tokens, lr {r0['lr']}; "
           f"train seconds per run (median): "
           f"{statistics.median(r['train_seconds'] for r in rows):.0f}")
+    for d in sets:  # what the layer-wise tuning did (fusion+tune)
+        for r in rows:
+            if r["dataset"] == d and r["method"] == "fusion+tune" and r.get("tuning"):
+                t = r["tuning"]
+                print(f"{d} fusion+tune seed {r['seed']}: {t['steps']} tuning steps on {t['tokens']} tokens, "
+                      f"layer MSE {t['mse_before']:.4g} -> {t['mse_after']:.4g} ({t['seconds']:.0f} s)")
     widths = sorted({r["width"] for r in rows if r["dataset"] == "r8" and r["method"] in ("fusion", "sketch")})
     if len(widths) > 1:
         print("\n| width (R8) | " + " | ".join(str(w) for w in widths) + " |")
@@ -152,8 +161,11 @@ def report(args) -> None:
             cells = []
             for w in widths:
                 accs = [r["accuracy"] for r in rows if r["dataset"] == "r8" and r["method"] == m and r["width"] == w]
-                cells.append(_ms(accs) if accs else "-")
+                cells.append(f"{_ms(accs)} (n={len(accs)})" if accs else "-")
             print(f"| {m} | " + " | ".join(cells) + " |")
+        orig = [r["accuracy"] for r in rows if r["dataset"] == "r8" and r["method"] == "original"]
+        if orig:
+            print(f"| original (h=1536) | {_ms(orig)} (n={len(orig)}) |" + " |" * (len(widths) - 1))
         _plot_widths(rows, widths)
 
 
