@@ -4,7 +4,9 @@ of one training step (forward + backward + AdamW step) and of an inference forwa
 Model: the all-MiniLM-L6-v2 classifier (8 labels, as for R8) whose layers 2-5 are compressed to width k
 (fusion at 128 / 384 / 768; and svd / magnitude at the width-384 weight count, for contrast: unstructured
 pruning keeps dense shapes, so it saves nothing). Batch: 16 x 128 random token ids. Measured with
-`mlpsurgery.measure.cost.compare_cost` (medians of 5 repeats after a warm-up; peak live tensor bytes).
+`mlpsurgery.measure.cost.compare_cost` (medians of 5 repeats after a warm-up; peak live tensor bytes),
+plus the forward FLOPs per token at context 128 (`measure.cost.flops_per_token`, dense counting), which
+does not depend on how busy the machine is.
 
     flock -x /tmp/mlpsurgery.lock python benchmarks/fusion_cost.py        # exclusive: a quiet machine
 """
@@ -18,7 +20,7 @@ import platform
 import torch
 
 import mlpsurgery as ms
-from mlpsurgery.measure.cost import compare_cost
+from mlpsurgery.measure.cost import compare_cost, flops_per_token
 from mlpsurgery.methods.fusion import FusionConfig, fuse
 from mlpsurgery.report import human_bytes
 
@@ -40,8 +42,10 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
           f"load average {os.getloadavg()[0]:.1f} at start; batch {args.batch} x {args.seq_len}")
     print("| compressed model (layers 2-5) | params | train step (s): original / compressed = ratio | "
-          "train step peak memory: original / compressed = ratio | inference forward (s) ratio |")
-    print("|---|---|---|---|---|")
+          "train step peak memory: original / compressed = ratio | inference forward (s) ratio | "
+          "forward FLOPs/token ratio |")
+    print("|---|---|---|---|---|---|")
+    ref_flops = flops_per_token(ref, args.seq_len)["total"]
     for method, width in (("fusion", 128), ("fusion", 384), ("fusion", 768), ("svd", 384), ("magnitude", 384)):
         cand = classifier()
         fuse(cand, FusionConfig(width=width, method=method, n_init=1), progress=False)
@@ -51,7 +55,8 @@ def main() -> None:
         print(f"| {method} k={width} | {nz / 1e6:.2f}M of {sum(p.numel() for p in ref.parameters()) / 1e6:.2f}M "
               f"| {a['step_s']:.3f} / {b['step_s']:.3f} = **{q['step_s']:.3f}** "
               f"| {human_bytes(a['step_peak_bytes'])} / {human_bytes(b['step_peak_bytes'])} = "
-              f"**{q['step_peak_bytes']:.3f}** | {q['forward_s']:.3f} |", flush=True)
+              f"**{q['step_peak_bytes']:.3f}** | {q['forward_s']:.3f} "
+              f"| {flops_per_token(cand, args.seq_len)['total'] / ref_flops:.3f} |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
