@@ -160,12 +160,14 @@ def report(args) -> None:
         for m in ("sketch", "fusion"):
             cells = []
             for w in widths:
-                accs = [r["accuracy"] for r in rows if r["dataset"] == "r8" and r["method"] == m and r["width"] == w]
-                cells.append(f"{_ms(accs)} (n={len(accs)})" if accs else "-")
+                got = sorted((r["seed"], r["accuracy"]) for r in rows
+                             if r["dataset"] == "r8" and r["method"] == m and r["width"] == w)
+                cells.append(f"{_ms([a for _, a in got])} (" + ", ".join(f"s{sd}: {100 * a:.1f}" for sd, a in got)
+                             + ")" if got else "-")
             print(f"| {m} | " + " | ".join(cells) + " |")
         orig = [r["accuracy"] for r in rows if r["dataset"] == "r8" and r["method"] == "original"]
         if orig:
-            print(f"| original (h=1536) | {_ms(orig)} (n={len(orig)}) |" + " |" * (len(widths) - 1))
+            print(f"\noriginal (h=1536, not compressed) on R8: {_ms(orig)} over {len(orig)} seeds")
         _plot_widths(rows, widths)
 
 
