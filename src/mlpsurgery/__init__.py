@@ -16,9 +16,11 @@ from .errors import IntegrityError, MLPSurgeryError, NotExportableError, Unsuppo
 from .io import export, load, save, subset_model, to_stock
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
+from .measure.ntk import adam_ntk, ntk_error, output_error
 from .measure.perplexity import perplexity
 from .methods.corelocker import (CoreLockerConfig, find_ratio, lock_folder, lock_key, read_key, save_key,
                                  unlock_folder, unlock_key, utility_curve)
+from .methods.fusion import FusionConfig, fuse, kmeans
 from .methods.nsn import NSNConfig, NSNTrainConfig, nest, set_budget, set_rank, train_nsn
 from .methods.pruning import prune
 from .methods.twist import TwISTConfig, twist_extract, twist_train
@@ -35,6 +37,6 @@ __all__ = [
     "load_model", "SUPPORTED", "AttnWeights", "MLPWeights", "find_sites", "generic_layers", "FitConfig", "fit",
     "NSNConfig", "NSNTrainConfig", "nest", "set_budget", "set_rank", "train_nsn", "NestedLinear",
     "CoreLockerConfig", "find_ratio", "lock_folder", "lock_key", "read_key", "save_key", "unlock_folder", "unlock_key",
-    "utility_curve",
+    "utility_curve", "adam_ntk", "ntk_error", "output_error", "FusionConfig", "fuse", "kmeans",
     "subset_model", "prune", "TwISTConfig", "twist_extract", "twist_train",
 ]

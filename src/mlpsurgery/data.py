@@ -84,7 +84,18 @@ def encode(tokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens, however long (no truncation, no length warning)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
+        # Some tokenizer.json files (all-MiniLM-L6-v2's) carry truncation and padding to 128 tokens, which
+        # the backend applies to every encode: lift them for this call, then put them back.
+        trunc, pad = backend.truncation, backend.padding
+        backend.no_truncation()
+        backend.no_padding()
+        try:
+            return backend.encode(text, add_special_tokens=False).ids
+        finally:
+            if trunc is not None:
+                backend.enable_truncation(**trunc)
+            if pad is not None:
+                backend.enable_padding(**pad)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,0 +1,179 @@
+"""MLP Fusion commands: `fuse` (compress MLPs by clustering neurons, or a baseline) and `eval ntk`
+(Adam-NTK and output error of a compressed model against its original)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..report import human_count, table
+from . import command, device_of
+from .core import MODEL_HELP
+
+METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
+               "magnitude (unstructured, same weight count), neuron (importance pruning), random (random neurons)")
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    from ..errors import MLPSurgeryError
+
+    p = Path(out)
+    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
+        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+
+
+# ---- fuse -------------------------------------------------------------------------------------------
+
+def run_fuse(args) -> dict:
+    from ..data import text_blocks
+    from ..io import save
+    from ..measure.cost import count_params
+    from ..methods.fusion import FusionConfig, fuse
+    from ..models import load_model
+
+    _check_out(args.out, args.overwrite)
+    cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
+                       device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
+                       tune_lr=args.tune_lr)
+    cfg.validate()
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
+    model = loaded.model.to(device_of(args))
+    before = count_params(model)
+    tune = None
+    if args.tune_data:
+        tune = text_blocks(args.tune_data, loaded.require_tokenizer(), block_len=args.block_len,
+                           max_blocks=args.tune_blocks, seed=args.seed)
+    report = fuse(model, cfg, tune_data=tune, progress=not args.quiet, checkpoint_dir=args.checkpoint_dir)
+    after = count_params(model)
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    report.update(model=loaded.source, out=args.out, mlp_params_before=before["mlp"], mlp_params_after=after["mlp"],
+                  params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0)
+    return report
+
+
+def render_fuse(r: dict) -> str:
+    rows = [{"layer": s["layer"], "h": s["h"], "width": s["width"], "params": f"{human_count(s['params_before'])} -> "
+             f"{human_count(s['nonzero_after'])}", **({"clusters (min/max size)": f"{s['cluster_sizes']['min']}/"
+                                                       f"{s['cluster_sizes']['max']}"} if "cluster_sizes" in s else {})}
+            for s in r["sites"]]
+    lines = [f"{r['method']}: {r['model']} layers {r['layers']} compressed to width {r['width']}", table(rows),
+             f"MLP parameters {human_count(r['mlp_params_before'])} -> {human_count(r['mlp_params_after'])}, "
+             f"model {human_count(r['params_before'])} -> {human_count(r['params_after'])}"]
+    if "tuning" in r:
+        t = r["tuning"]
+        lines.append(f"layer-wise tuning: {t['steps']} steps on {t['tokens']} tokens, MSE {t['mse_before']:.4g} -> "
+                     f"{t['mse_after']:.4g}")
+    lines.append(f"saved to {r['out']} ({r['seconds']:.0f} s); after fine-tuning, `mlpsurgery export` folds P into a "
+                 "plain transformers model (every layer fused to one width)")
+    return "\n".join(lines)
+
+
+# ---- eval ntk ---------------------------------------------------------------------------------------
+
+def run_ntk(args) -> dict:
+    import torch
+
+    from ..data import read_labelled, text_blocks
+    from ..errors import MLPSurgeryError
+    from ..measure.ntk import compressed_layers, mlp_ntk_error, ntk_error, output_error
+    from ..models import load_model
+    from ..sites import find_sites, parse_layers
+
+    dev = device_of(args)
+    ref = load_model(args.model_a, task=args.task)
+    cand = load_model(args.model_b, task=args.task).model.to(dev)
+    ref.model.to(dev)
+    tok = ref.require_tokenizer()
+    labels = None
+    if args.f == "logit":
+        data = read_labelled(args.data)
+        data = data.sample(args.n, seed=args.seed) if args.n < len(data) else data
+        enc = tok(data.texts, padding="max_length", truncation=True, max_length=args.block_len, return_tensors="pt")
+        inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        ids, labels = inputs["input_ids"], torch.tensor(data.labels)
+    else:
+        ids = inputs = text_blocks(args.data, tok, block_len=args.block_len, split="heldout", max_blocks=args.n,
+                                   seed=args.seed)
+    if len(ids) < 2:
+        raise MLPSurgeryError(f"{args.data} gave {len(ids)} sample(s); the kernel needs at least 2 (more text or a "
+                              "smaller --block-len)")
+    layers = parse_layers(args.layers, len(find_sites(ref.model))) if args.layers else \
+        compressed_layers(ref.model, cand)
+    t0 = time.perf_counter()
+    res = {"reference": ref.source, "candidate": args.model_b, "data": args.data, "samples": len(ids),
+           "block_len": args.block_len, "layers": layers, "scope": args.scope, "f": args.f}
+    if args.scope in ("model", "both"):
+        ntk = ntk_error(ref.model, cand, inputs, layers=layers, f=args.f, labels=labels, seed=args.seed,
+                        progress=not args.quiet)
+        res["model"] = {k: v for k, v in ntk.items() if not k.startswith("K_")}
+    if args.scope in ("mlp", "both"):
+        res["mlp"] = mlp_ntk_error(ref.model, cand, ids, layers=layers, seed=args.seed, progress=not args.quiet)
+    res["output"] = output_error(ref.model, cand, ids, layers=layers)
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def render_ntk(r: dict) -> str:
+    mlp = {x["layer"]: x for x in r["mlp"]["layers"]} if "mlp" in r else {}
+    rows = [{"layer": x["layer"], "output error ||H~-H||_F": x["error"], "relative": x["error_rel"],
+             **({"per-MLP NTK error (relative)": mlp[x["layer"]]["ntk_error_rel"]} if mlp else {})}
+            for x in r["output"]["layers"]]
+    lines = [f"{r['candidate']} vs {r['reference']} on {r['samples']} samples of {r['data']}"]
+    if "model" in r:
+        m = r["model"]
+        lines.append(f"whole-model Adam NTK (f = {r['f']}) over the MLPs of layers {r['layers']} "
+                     f"({human_count(m['params_reference'])} vs {human_count(m['params_candidate'])} parameters): "
+                     f"||K_b - K_a||_F = {m['ntk_error']:.5g} (relative {m['ntk_error_rel']:.4f})")
+    if mlp:
+        lines.append(f"per-MLP Adam NTK: mean relative error {r['mlp']['ntk_error_rel']:.4f}")
+    lines += [table(rows), f"final hidden state relative error {r['output']['final_hidden_error_rel']:.4f} "
+              f"({r['seconds']:.0f} s)"]
+    return "\n".join(lines)
+
+
+def register(sub, groups) -> None:
+    from ..methods.fusion import METHODS
+
+    p = command(sub, "fuse", run_fuse, render_fuse,
+                "compress MLPs by clustering neurons (MLP Fusion), or with a baseline at the same width")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="output folder (mlpsurgery save format; `mlpsurgery export` after "
+                   "fine-tuning folds P into a plain transformers model)")
+    p.add_argument("--width", type=int, help="new MLP inner width k (default: a quarter of h)")
+    p.add_argument("--method", choices=METHODS, default="fusion", help=METHOD_HELP)
+    p.add_argument("--layers", default="last2/3", help="layers to compress: all, 8-11, 0,3,5 or last2/3 (default)")
+    p.add_argument("--tune-data", help="task text for layer-wise tuning (file, folder of .txt, austen, r8); omit for "
+                   "the one-shot, data-free compression")
+    p.add_argument("--tune-blocks", type=int, default=64, help="token blocks of tune data to use (64)")
+    p.add_argument("--tune-steps", type=int, help="tuning steps (default: one epoch over the tune tokens)")
+    p.add_argument("--tune-lr", type=float, default=1e-3)
+    p.add_argument("--block-len", type=int, default=128, help="tokens per tune block (128)")
+    p.add_argument("--importance", choices=("weight", "activation"), default="weight",
+                   help="neuron-pruning score (activation needs --tune-data)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-init", type=int, default=3, help="k-means restarts (3)")
+    p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")
+    p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
+                   help="model head to load (classifier: a sequence-classification head, give --num-labels)")
+    p.add_argument("--num-labels", type=int)
+    p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = command(groups["eval"], "ntk", run_ntk, render_ntk,
+                "Adam-NTK error and MLP output error of MODEL_B (compressed) against MODEL_A (original)")
+    p.add_argument("model_a", help="the reference (original) model: " + MODEL_HELP)
+    p.add_argument("model_b", help="the compressed model (e.g. a folder written by `mlpsurgery fuse`)")
+    p.add_argument("--data", required=True, help="text (file, folder, austen, r8; held-out split) or, with --f logit, "
+                   "a labelled set (.tab/.csv/.jsonl, r8-test)")
+    p.add_argument("--n", type=int, default=32, help="samples (32); the kernel is n x n")
+    p.add_argument("--block-len", type=int, default=128, help="tokens per sample (128)")
+    p.add_argument("--layers", help="MLPs whose parameters form θ (default: the layers where the models differ)")
+    p.add_argument("--f", choices=("projection", "logit"), default="projection",
+                   help="scalar output: projection (random projection of the mean final hidden state) or logit "
+                   "(classifier logit of the true class)")
+    p.add_argument("--scope", choices=("model", "mlp", "both"), default="model",
+                   help="model: f of the whole model, θ = the MLPs of the layers; mlp: each MLP on its own (f = a "
+                   "projection of its output on the original inputs, the paper's Table 1); both")
+    p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"))
+    p.add_argument("--seed", type=int, default=0, help="sample choice and the projection vector")
