@@ -102,8 +102,8 @@ def report(results: dict, args) -> None:
 
     ddp = results["DDP"]
     mib = 1024 ** 2
-    lines = [f"| setting | ms / batch | speed-up vs DDP | worker peak RSS (MiB) | worker params + AdamW (MiB) | "
-             f"rank 0 peak RSS (MiB) | bytes / round / worker (MiB) | vs DDP |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | ms / batch | speed-up vs DDP | worker peak RSS (MiB) | worker params + AdamW (MiB) | "
+             "rank 0 peak RSS (MiB) | bytes / round / worker (MiB) | vs DDP |", "|---|---|---|---|---|---|---|---|"]
     for label, r in results.items():
         if r.get("steps", args.steps) != args.steps:
             continue

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlpsurgery.tiny import ARCHITECTURES, DECODERS, ENCODERS, byte_tokenizer, tiny_model
+from mlpsurgery.tiny import ARCHITECTURES, DECODERS, byte_tokenizer, tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -7,7 +7,7 @@ from torch import nn
 
 from mlpsurgery.cli import main
 from mlpsurgery.errors import IntegrityError, MLPSurgeryError
-from mlpsurgery.methods.corelocker import (CoreLockerConfig, Ranking, Utility, attack_prune, channel_links,
+from mlpsurgery.methods.corelocker import (CoreLockerConfig, Utility, attack_prune, channel_links,
                                            find_ratio, key_bytes, lock_folder, lock_key, read_key, save_key,
                                            seal, unit_groups, unlock_folder, unlock_key, utility_curve)
 from mlpsurgery.sites import find_sites

@@ -131,7 +131,7 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     task: auto (causal LM for decoders, bare encoder for BERT-likes) | causal-lm | encoder | classifier
     (a sequence-classification head, new and random unless the folder has one; give num_labels).
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if task not in TASKS:
         raise MLPSurgeryError(f"task {task!r} is not one of {', '.join(TASKS)}")

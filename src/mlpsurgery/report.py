@@ -1,6 +1,8 @@
-"""Formatting shared by the CLI, benchmarks and docs: text tables, byte and count units."""
+"""Formatting shared by the CLI, benchmarks and docs: text tables, byte and count units, figures."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def human_bytes(n: float | None) -> str:
@@ -45,3 +47,15 @@ def table(rows: list[dict], columns: list[str] | None = None, headers: dict | No
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write (PNG at 120 dpi, parent folders created) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -4,7 +4,6 @@ prompt, never from the command line."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from ..report import human_bytes, table
 from . import command, device_of
@@ -148,7 +147,7 @@ def register(sub, groups) -> None:
     p.add_argument("--include-io", action="store_true", help="also extract from the embeddings and the output layer")
     p.add_argument("--seed", type=int, default=0, help="seed of the random indicator (0)")
     p.add_argument("--encrypt", action="store_true",
-                   help=f"seal the key with a passphrase (AES-256-GCM, scrypt); read from $MLPSURGERY_PASSPHRASE "
+                   help="seal the key with a passphrase (AES-256-GCM, scrypt); read from $MLPSURGERY_PASSPHRASE "
                         "or a prompt")
     p.add_argument("--task", choices=TASKS, default="auto",
                    help="model head to load: auto (as saved / LM for decoders), classifier, causal-lm, encoder")

@@ -8,7 +8,6 @@ dispatch-level tracker that sees every tensor storage the region allocates (meas
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass

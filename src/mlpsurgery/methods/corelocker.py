@@ -65,6 +65,7 @@ from torch import Tensor, nn
 from ..errors import IntegrityError, MLPSurgeryError, UnsupportedArchitectureError
 from ..io import record
 from ..sites import AttnSite, MLPSite, find_sites, generic_layers
+from ..report import save_figure
 
 INDICATORS = ("l1", "scale", "random")
 UNITS = ("weight", "neuron", "head", "filter")
@@ -1019,12 +1020,7 @@ def plot_curves(curves: dict[str, list[dict]], metric: str, path: str | Path, ti
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ resumes where it stopped and nothing finished is recomputed.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from ..measure.perplexity import is_causal_lm
 from ..modules.dlr import DLRNet, StackedDLR, dlr_depth, rms_norm
 from ..sites import find_sites, parse_layers
 from ..train import FitConfig, fit, step_rng
+from ..report import save_figure
 
 
 @dataclass
@@ -709,6 +709,4 @@ def plot_attack_suite(suite: dict, path: str | Path) -> None:
         row[0].set_ylabel("training loss (nats/token)")
     fig.suptitle("Fine-tuning attacks on the DLR-locked model (red) and the original (blue); x: diverged",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -47,6 +47,7 @@ from ..io import record
 from ..modules.nested import NestedLinear
 from ..sites import find_sites, linear_weight, parse_layers
 from ..train import FitConfig, fit, step_rng, trainable
+from ..report import save_figure
 
 MODULE_CHOICES = ("mlp", "mlp+attn")
 OBJECTIVES = ("uncertainty", "two_ce", "anchor")
@@ -597,12 +598,7 @@ def plot_frontier(curves: Mapping[str, list[dict]], metric: str, path: str | Pat
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_containment(scores: Tensor, ranks: Sequence[int], path: str | Path, title: str = "") -> Path:
@@ -619,10 +615,7 @@ def plot_containment(scores: Tensor, ranks: Sequence[int], path: str | Path, tit
                     color="white" if scores[i, j] > 0.6 else "black")
     fig.colorbar(im, ax=ax)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def plot_log_variance(curves: Mapping[str, Mapping[int, float]], path: str | Path, title: str = "") -> Path:
@@ -637,10 +630,7 @@ def plot_log_variance(curves: Mapping[str, Mapping[int, float]], path: str | Pat
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------------
