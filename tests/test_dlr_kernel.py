@@ -33,9 +33,13 @@ for seed, (T, d, r, depth, dtype) in enumerate([(37, 64, 16, 3, "float32"), (5, 
         fused = dlr_forward(x.to(dt), Dp, Up, net.eps, out=poison).double()
         net.to(dt)
         auto = net(x.to(dt)).double()  # DLRNet.forward picks the fused path itself under no_grad
+    with torch.enable_grad():  # training: the exact autograd path, never the kernel
+        train = net(x.to(dt))
+        train_exact = bool(train.grad_fn is not None and torch.equal(train, net._delta(x.to(dt))))
     rel = lambda a: float((a - ref).norm() / ref.norm())
     out.append({"shape": [T, d, r, depth], "dtype": dtype, "fused": rel(fused), "torch": rel(torch_dt),
-                "auto": rel(auto), "finite": bool(torch.isfinite(fused).all())})
+                "auto": rel(auto), "finite": bool(torch.isfinite(fused).all()),
+                "train_exact": train_exact})
 print("RESULT" + json.dumps(out))
 """
 
@@ -52,3 +56,4 @@ def test_fused_forward_matches_pytorch_in_the_interpreter():
         else:  # bf16 operands: within bf16 tolerance, and no worse than PyTorch's own bf16 path by much
             assert row["fused"] < 2e-2 and row["fused"] < 2 * row["torch"] + 1e-3, row
         assert row["auto"] == pytest.approx(row["fused"], rel=1e-6, abs=1e-9), row
+        assert row["train_exact"], row  # with grad enabled the module runs PyTorch autograd, not the kernel
