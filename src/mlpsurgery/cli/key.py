@@ -4,7 +4,6 @@ prompt, never from the command line."""
 
 from __future__ import annotations
 
-
 from ..report import human_bytes, table
 from . import command, device_of
 from .core import MODEL_HELP
