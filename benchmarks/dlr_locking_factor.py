@@ -61,15 +61,17 @@ def main() -> None:
                          "budget_bytes": budget, "ranks": {}}
     t0 = time.perf_counter()
     orig_mb = max_batch(original, args.seq_len, budget)
-    orig_inf = inference_times(original, tokens, vocab, repeats=args.repeats)
-    orig_inf_c = None if args.no_compile else inference_times(original, tokens, vocab, repeats=args.repeats,
-                                                               compiled=True)
     for r in (int(x) for x in args.ranks.split(",")):
         locked = locked_like(original, r).to(device)
         depth = ms.find_sites(locked).mlp[0].module.depth
         cost = compare_cost(original, locked, batch, repeats=args.repeats)
         mb = max_batch(locked, args.seq_len, budget)
+        # the original is timed again beside each locked model, so a change in machine load between ranks
+        # does not enter the ratio
+        orig_inf = inference_times(original, tokens, vocab, repeats=args.repeats)
         inf = inference_times(locked, tokens, vocab, repeats=args.repeats)
+        orig_inf_c = None if args.no_compile else inference_times(original, tokens, vocab, repeats=args.repeats,
+                                                                   compiled=True)
         inf_c = None if args.no_compile else inference_times(locked, tokens, vocab, repeats=args.repeats, compiled=True)
         theory = activation_memory_model(d, h, r, depth)
         res = {"depth": depth, "cost": cost, "max_batch": {"original": orig_mb, "locked": mb},
