@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,256,1024", help="sequence lengths for inference timing")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--parts", default="train,infer",
+                    help="what to measure: train (training step, max batch), infer (inference time), or both")
     ap.add_argument("--out", default="runs/dlr/locking_factor.json")
     args = ap.parse_args()
 
@@ -60,12 +62,32 @@ def main() -> None:
     rows, results = [], {"machine": machine(), "model": loaded.source, "batch": [args.batch, args.seq_len],
                          "budget_bytes": budget, "ranks": {}}
     t0 = time.perf_counter()
-    orig_mb = max_batch(original, args.seq_len, budget)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"train", "infer"}:
+        raise SystemExit(f"--parts takes train, infer or train,infer, not {args.parts!r}")
+    orig_mb = max_batch(original, args.seq_len, budget) if "train" in parts else None
     for r in (int(x) for x in args.ranks.split(",")):
         locked = locked_like(original, r).to(device)
         depth = ms.find_sites(locked).mlp[0].module.depth
-        cost = compare_cost(original, locked, batch, repeats=args.repeats)
-        mb = max_batch(locked, args.seq_len, budget)
+        theory = activation_memory_model(d, h, r, depth)
+        res = {"depth": depth, "prop_b1": theory}
+        row = {"rank": r, "depth": depth}
+        if "train" in parts:
+            cost = compare_cost(original, locked, batch, repeats=args.repeats)
+            mb = max_batch(locked, args.seq_len, budget)
+            res.update(cost=cost, max_batch={"original": orig_mb, "locked": mb})
+            ratio = cost["ratio"]
+            row.update({"step peak mem x": ratio["step_peak_bytes"], "step time x": ratio["step_s"],
+                        "bwd/fwd orig": cost["reference"]["backward_forward_ratio"],
+                        "bwd/fwd locked": cost["candidate"]["backward_forward_ratio"],
+                        "max batch orig": orig_mb["max_batch"], "max batch locked": mb["max_batch"],
+                        "act. per-token x (B.1)": theory["ratio"],
+                        "act. per-token x (measured)": mb["per_sample_bytes"] / orig_mb["per_sample_bytes"]})
+        results["ranks"][r] = res
+        if "infer" not in parts:
+            rows.append(row)
+            print(table([row]), flush=True)
+            continue
         # the original is timed again beside each locked model, so a change in machine load between ranks
         # does not enter the ratio
         orig_inf = inference_times(original, tokens, vocab, repeats=args.repeats)
@@ -73,20 +95,8 @@ def main() -> None:
         orig_inf_c = None if args.no_compile else inference_times(original, tokens, vocab, repeats=args.repeats,
                                                                    compiled=True)
         inf_c = None if args.no_compile else inference_times(locked, tokens, vocab, repeats=args.repeats, compiled=True)
-        theory = activation_memory_model(d, h, r, depth)
-        res = {"depth": depth, "cost": cost, "max_batch": {"original": orig_mb, "locked": mb},
-               "inference_s": {"original": orig_inf, "locked": inf},
-               "inference_compiled_s": None if inf_c is None else {"original": orig_inf_c, "locked": inf_c},
-               "prop_b1": theory}
-        results["ranks"][r] = res
-        ratio = cost["ratio"]
-        row = {"rank": r, "depth": depth,
-               "step peak mem x": ratio["step_peak_bytes"], "step time x": ratio["step_s"],
-               "bwd/fwd orig": cost["reference"]["backward_forward_ratio"],
-               "bwd/fwd locked": cost["candidate"]["backward_forward_ratio"],
-               "max batch orig": orig_mb["max_batch"], "max batch locked": mb["max_batch"],
-               "act. per-token x (B.1)": theory["ratio"],
-               "act. per-token x (measured)": mb["per_sample_bytes"] / orig_mb["per_sample_bytes"]}
+        res.update(inference_s={"original": orig_inf, "locked": inf},
+                   inference_compiled_s=None if inf_c is None else {"original": orig_inf_c, "locked": inf_c})
         for t in tokens:
             row[f"infer x T={t}"] = inf[t] / orig_inf[t]
             if inf_c:
