@@ -182,3 +182,33 @@ def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(MLPSurgeryError, match="rank"):
         dlr_lock(tiny_model("llama"), blocks(), blocks(8), small_cfg(rank=0), tmp_path / "w", progress=False)
     assert not (tmp_path / "w").exists()
+
+
+def test_attack_suite_runs_every_attack_and_reverse_distillation_recovers_a_dense_mlp(tmp_path):
+    original = tiny_model("llama")
+    locked = tiny_model("llama")
+    dlr_lock(locked, blocks(), blocks(8, seed=1), small_cfg(phase1_steps=20, phase2_steps=0), tmp_path / "w",
+             progress=False)
+    cfg = dl.AttackSuiteConfig(steps=3, batch=2, eval_every=3, reverse_layers=1, reverse_steps=60)
+    suite = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
+                            progress=False)
+    names = {r["name"] for r in suite["attacks"]}
+    assert {"finetune lr=0.0001 original", "finetune lr=0.0001 locked", "checkpointing locked",
+            "DLR-only checkpointing locked", "LoRA attention locked", "LoRA on DLR locked", "DLR frozen locked",
+            "MLPs frozen original"} <= names
+    by = {r["name"]: r for r in suite["attacks"]}
+    # the locked model stores activations for every DLR block: its full fine-tuning step needs more memory,
+    # and freezing the DLR leaves the non-MLP parameters trainable, as freezing the MLPs does (up to the MLP
+    # pre-norms, which the DLR sub-block replaces: one d-vector per layer)
+    assert by["finetune lr=0.0001 locked"]["step_peak_bytes"] > by["finetune lr=0.0001 original"]["step_peak_bytes"]
+    gap = by["MLPs frozen original"]["trainable_params"] - by["DLR frozen locked"]["trainable_params"]
+    assert 0 <= gap <= original.config.num_hidden_layers * original.config.hidden_size
+    rev = suite["reverse"]
+    assert rev["layers"] == [0] and rev["relative_error"]["0"] < 0.5  # a dense MLP learns the DLR-Net back
+    assert rev["estimated_seconds_all_layers"] == pytest.approx(rev["seconds_per_layer"] * 2)
+    assert len(dl.attack_table(suite)) == len(suite["attacks"])
+    assert dl.plot_attack_suite(suite, tmp_path / "attacks.png") is None and (tmp_path / "attacks.png").stat().st_size
+    # a rerun resumes from the per-attack files instead of training again
+    again = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
+                            progress=False)
+    assert again["attacks"] == suite["attacks"] and again["reverse"] == suite["reverse"]

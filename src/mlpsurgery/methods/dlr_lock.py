@@ -636,7 +636,7 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
         res = finetune_attack(model, train_blocks, eval_blocks, acfg, name=name, prepare=prepare, progress=progress)
         row = {**res.as_dict(), "family": family}
         atomic_write_text(path, json.dumps(row))
-        results.append(row)
+        results.append(json.loads(path.read_text()))  # as a resumed suite will read it (JSON keys and lists)
     reverse = None
     if "reverse" in cfg.attacks:
         path = out / "reverse_distillation.json"
@@ -649,6 +649,7 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
             reverse["locked_layers"] = len(mlp_names)
             reverse["estimated_seconds_all_layers"] = rev.seconds_per_layer * len(mlp_names)
             atomic_write_text(path, json.dumps(reverse))
+            reverse = json.loads(path.read_text())
     return {"attacks": results, "reverse": reverse, "config": asdict(cfg)}
 
 
