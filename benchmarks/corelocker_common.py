@@ -139,6 +139,14 @@ def digits_cnn(progress: bool = True) -> DigitsCNN:
     return model
 
 
+def digits_cnn_test():
+    """The trained digits CNN, its metrics function on the test split ({"accuracy": ...}) and the test size."""
+    model = digits_cnn()
+    _, _, xte, yte = digits()
+    acc = cnn_accuracy(xte, yte)
+    return model, (lambda m: {"accuracy": acc(m)}), len(yte)
+
+
 def write_json(name: str, obj) -> Path:
     RUNS.mkdir(parents=True, exist_ok=True)
     path = RUNS / name

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import RUNS, cnn_accuracy, digits, digits_cnn, machine, minilm_r8, r8_splits, write_json  # noqa: E402
+from corelocker_common import RUNS, digits_cnn_test, machine, minilm_r8, r8_splits, write_json  # noqa: E402
 from corelocker_table1 import r8_metrics  # noqa: E402
 
 import mlpsurgery as ms  # noqa: E402
@@ -100,14 +100,8 @@ def main():
         return
     t0 = time.perf_counter()
     if args.model == "cnn":
-        model = digits_cnn()
-        _, _, xte, yte = digits()
-        acc = cnn_accuracy(xte, yte)
-
-        def metrics(m):
-            return {"accuracy": acc(m)}
-
-        data = f"digits test split, {len(yte)} images"
+        model, metrics, n_test = digits_cnn_test()
+        data = f"digits test split, {n_test} images"
     elif args.model == "minilm":
         loaded = minilm_r8()
         model = loaded.model

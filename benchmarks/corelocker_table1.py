@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import (MAX_LEN, RUNS, cnn_accuracy, digits, digits_cnn, machine, minilm_r8,  # noqa: E402
+from corelocker_common import (MAX_LEN, RUNS, digits_cnn_test, machine, minilm_r8,  # noqa: E402
                                r8_splits, write_json)
 
 import mlpsurgery as ms  # noqa: E402
@@ -134,6 +134,7 @@ def main():
     seeds = tuple(range(args.seeds))
     t0 = time.perf_counter()
     result = {"model": args.model, "ratio": args.ratio, "machine": machine(), "command": " ".join(sys.argv)}
+    RUNS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=RUNS) as tmp:
         work = Path(tmp)
         if args.model == "minilm":
@@ -149,14 +150,8 @@ def main():
             result["restoration"] = {} if args.core_only else restoration(loaded.model, loaded.tokenizer, args.ratio,
                                                                            work)
         elif args.model == "cnn":
-            model = digits_cnn()
-            _, _, xte, yte = digits()
-            acc = cnn_accuracy(xte, yte)
-
-            def metrics(m):
-                return {"accuracy": acc(m)}
-
-            result["data"] = f"scikit-learn digits test split, {len(yte)} images, 10 classes"
+            model, metrics, n_test = digits_cnn_test()
+            result["data"] = f"scikit-learn digits test split, {n_test} images, 10 classes"
             result["rows"] = rows_for(model, metrics, args.ratio, seeds,
                                       extra_units=[("filter", "random", seeds), ("filter", "l1", (0,)),
                                                    ("filter", "scale", (0,))])
