@@ -965,27 +965,26 @@ def trained_settings(model: nn.Module) -> dict:
     return {}
 
 
+def _scale_output(site, weight: str, bias: str, f: float) -> None:
+    """Multiply a site's output projection (`weight` and `bias` of its canonical weights) by f, in place."""
+    if f == 1.0:
+        return
+    w = site.read()
+    getattr(w, weight).mul_(f)
+    if getattr(w, bias) is not None:
+        getattr(w, bias).mul_(f)
+    site.write(w)
+
+
 def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool = True) -> nn.Module:
     """The physically smaller dense model of `subnet`, sqrt(N_full/N_sub) folded into the output projections."""
     new = subset_model(model, *layout.subset_args(subnet))
     if rescale:
         sites = find_sites(new)
         for i in subnet.attn:
-            f = layout.attn_scale(i)
-            if f != 1.0:
-                w = sites.attn[i].read()
-                w.o.mul_(f)
-                if w.o_bias is not None:
-                    w.o_bias.mul_(f)
-                sites.attn[i].write(w)
+            _scale_output(sites.attn[i], "o", "o_bias", layout.attn_scale(i))
         for i in subnet.mlp:
-            f = layout.mlp_scale()
-            if f != 1.0:
-                w = sites.mlp[i].read()
-                w.down.mul_(f)
-                if w.down_bias is not None:
-                    w.down_bias.mul_(f)
-                sites.mlp[i].write(w)
+            _scale_output(sites.mlp[i], "down", "down_bias", layout.mlp_scale())
     return new
 
 
