@@ -136,35 +136,23 @@ def test_interrupted_lock_resumes_to_the_same_model(tmp_path, monkeypatch, ids):
     a = tiny_model("qwen3")
     dlr_lock(a, blocks(), blocks(8, seed=1), cfg, tmp_path / "a", progress=False)
 
-    calls = {"n": 0}
-    real = dl.relative_error
+    def interrupted_at(name: str, call: int) -> None:
+        """Run the lock into tmp_path/b with dl.<name> raising KeyboardInterrupt on its call-th call."""
+        real, calls = getattr(dl, name), {"n": 0}
 
-    def flaky(*args):
-        calls["n"] += 1
-        if calls["n"] == 17:  # the 17th phase-1 step
-            raise KeyboardInterrupt
-        return real(*args)
+        def flaky(*args):
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise KeyboardInterrupt
+            return real(*args)
 
-    monkeypatch.setattr(dl, "relative_error", flaky)
-    b = tiny_model("qwen3")
-    with pytest.raises(KeyboardInterrupt):
-        dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
-    monkeypatch.setattr(dl, "relative_error", real)
+        monkeypatch.setattr(dl, name, flaky)
+        with pytest.raises(KeyboardInterrupt):
+            dlr_lock(tiny_model("qwen3"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+        monkeypatch.setattr(dl, name, real)
 
-    real_kl = dl.topk_kl
-    calls["n"] = 0
-
-    def flaky_kl(*args):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return real_kl(*args)
-
-    monkeypatch.setattr(dl, "topk_kl", flaky_kl)
-    b = tiny_model("qwen3")
-    with pytest.raises(KeyboardInterrupt):
-        dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
-    monkeypatch.setattr(dl, "topk_kl", real_kl)
+    interrupted_at("relative_error", 17)  # killed at the 17th phase-1 step
+    interrupted_at("topk_kl", 6)  # then at the 6th phase-2 step
     b = tiny_model("qwen3")
     dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
     assert torch.equal(outputs(a, ids), outputs(b, ids))
