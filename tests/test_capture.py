@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from mlpsurgery.capture import capture_mlp_io
+from mlpsurgery.capture import capture_mlp_io, open_capture
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import tiny_model
@@ -53,6 +53,21 @@ def test_disk_capture_equals_memory_and_resumes(tmp_path):
     for i in mem.layers:
         for a, b in zip(mem.layer(i), again.layer(i)):
             assert torch.equal(a, b)
+
+
+def test_open_capture_reads_a_finished_folder_and_refuses_an_unfinished_one(tmp_path):
+    model = tiny_model("llama")
+    made = capture_mlp_io(model, blocks(7), batch_size=3, out_dir=tmp_path / "cap", progress=False)
+    opened = open_capture(tmp_path / "cap")
+    assert (opened.layers, opened.d, opened.n_chunks, opened.tokens_per_chunk) == \
+        (made.layers, made.d, made.n_chunks, made.tokens_per_chunk) == ([0, 1], 32, 3, [48, 48, 16])
+    for i in made.layers:
+        assert all(torch.equal(a, b) for a, b in zip(made.layer(i), opened.layer(i)))
+    os.remove(tmp_path / "cap" / "chunk_00002.safetensors")
+    with pytest.raises(MLPSurgeryError, match="unfinished capture"):
+        open_capture(tmp_path / "cap")
+    with pytest.raises(MLPSurgeryError, match="no capture"):
+        open_capture(tmp_path)
 
 
 def test_disk_capture_refuses_foreign_folder(tmp_path):

@@ -20,7 +20,8 @@ def blocks(n=16, t=32, seed=0):
 
 def small_cfg(**kw):
     base = dict(rank=8, calib_blocks=16, block_len=32, phase1_steps=60, phase1_lr=1e-2, phase1_tokens=128,
-                phase2_steps=8, phase2_lr=1e-3, phase2_batch=2, phase2_blocks=8, top_k=8, gradient_checkpointing=False)
+                phase2_steps=8, phase2_lr=1e-3, phase2_batch=2, phase2_blocks=8, top_k=8, gradient_checkpointing=False,
+                compile=False)
     base.update(kw)
     return DLRConfig(**base)
 
@@ -200,3 +201,55 @@ def test_attack_suite_runs_every_attack_and_reverse_distillation_recovers_a_dens
     again = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
                             progress=False)
     assert again["attacks"] == suite["attacks"] and again["reverse"] == suite["reverse"]
+
+
+def test_token_loss_is_the_relative_mse_when_every_update_sits_at_the_floor():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 50, 8, generator=g)
+    step = torch.randn(2, 50, 8, generator=g)
+    y = x + step / step.norm(dim=-1, keepdim=True)  # every token's update energy is 1
+    pred = y + 0.3 * torch.randn(2, 50, 8, generator=g)
+    torch.testing.assert_close(dl.token_relative_error(pred, x, y, torch.ones(2)), dl.relative_error(pred, x, y))
+    # one token whose update is 1000x larger: it decides the relative MSE, not the token loss
+    y2 = y.clone()
+    y2[:, 0] = x[:, 0] + 1000 * (y[:, 0] - x[:, 0])
+    pred2 = pred.clone()
+    pred2[:, 0] = y2[:, 0]  # fitted exactly
+    assert (dl.relative_error(pred2, x, y2) < 1e-4).all()  # ~all energy is in the fitted token
+    assert (dl.token_relative_error(pred2, x, y2, torch.ones(2)) > 0.05).all()  # the other 49 still count
+
+
+def test_hard_sampling_draws_the_tokens_that_hold_the_update(tmp_path):
+    from mlpsurgery.capture import capture_mlp_io
+
+    model = tiny_model("llama")
+    cap = capture_mlp_io(model, blocks(8), layers=[0, 1], batch_size=4, out_dir=tmp_path / "cap", progress=False)
+    data = dl._CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=1.0)
+    norms = (data.Y.float() - data.X.float()).norm(dim=-1)
+    x, y = data.sample(400, step_rng(0, 0), hard_fraction=0.5)
+    assert x.shape == (2, 400, model.config.hidden_size)
+    got = (y - x).norm(dim=-1)
+    # per layer: the uniform half has the set's mean norm, the hard half the norm-weighted mean (larger)
+    for j in range(2):
+        expected_hard = float((norms[j] ** 2).sum() / norms[j].sum())
+        assert abs(float(got[j, 200:].mean()) - expected_hard) < 0.15 * expected_hard
+        assert float(got[j, 200:].mean()) > float(got[j, :200].mean())
+    streamed = dl._CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=0.0)
+    assert not streamed.in_memory and streamed.sample(64, step_rng(0, 1), hard_fraction=0.25)[0].shape == (2, 64, 32)
+
+
+def test_phase1_token_loss_with_hard_sampling_lowers_the_error(tmp_path):
+    cfg = small_cfg(calib_blocks=64, phase1_steps=150, phase1_tokens=256, phase2_steps=0, phase1_loss="token",
+                    phase1_hard_fraction=0.125)
+    report = dlr_lock(tiny_model("llama"), blocks(64), blocks(8, seed=1), cfg, tmp_path / "w", progress=False)
+    assert all(err < 0.7 for err in report.phase1_relative_error.values()), report.phase1_relative_error
+
+
+def test_compiled_phase1_trains_the_same_nets_as_eager(tmp_path):
+    args = (blocks(), blocks(8, seed=1))
+    a, b = tiny_model("llama"), tiny_model("llama")
+    dlr_lock(a, *args, small_cfg(phase1_steps=10, phase2_steps=0), tmp_path / "a", progress=False)
+    dlr_lock(b, *args, small_cfg(phase1_steps=10, phase2_steps=0, compile=True), tmp_path / "b", progress=False)
+    for sa, sb in zip(find_sites(a).mlp, find_sites(b).mlp):
+        for name in ("D", "U", "norm", "alpha"):
+            torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-4, atol=1e-5)

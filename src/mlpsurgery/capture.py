@@ -74,6 +74,28 @@ class Capture:
         return num / max(den, 1e-30)
 
 
+def open_capture(root: str | Path) -> Capture:
+    """A finished capture folder (written by capture_mlp_io with out_dir) opened for reading."""
+    root = Path(root)
+    meta_path = root / "capture.json"
+    if not meta_path.exists():
+        raise MLPSurgeryError(f"{root} holds no capture (no capture.json)")
+    meta = json.loads(meta_path.read_text())
+    layers, n = meta["layers"], meta["n_chunks"]
+    missing = [k for k in range(n) if not (root / f"chunk_{k:05d}.safetensors").exists()]
+    if missing:
+        raise MLPSurgeryError(f"{root} is an unfinished capture ({len(missing)} of {n} chunks missing); "
+                              "rerun the command that made it to finish it")
+    sizes = []
+    d = 0
+    for k in range(n):
+        with safe_open(root / f"chunk_{k:05d}.safetensors", framework="pt") as f:
+            shape = f.get_slice(f"x.{layers[0]}").get_shape()
+        sizes.append(shape[0])
+        d = shape[1]
+    return Capture(layers=layers, d=d, root=root, n_chunks=n, tokens_per_chunk=sizes)
+
+
 def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
     """A digest of a model's weights (a sample and the sum of each tensor), some data and settings: what a
     resumable stage was computed from."""

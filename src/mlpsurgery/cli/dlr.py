@@ -29,6 +29,7 @@ def run_lock(args) -> dict:
                     calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
                     phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
                     phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
+                    phase1_loss=args.phase1_loss, phase1_hard_fraction=args.phase1_hard_fraction, compile=not args.no_compile,
                     gradient_checkpointing=not args.no_checkpointing, seed=args.seed,
                     memory_limit_gb=args.memory_gb)
     if args.depth and not args.rank:
@@ -149,6 +150,12 @@ def register(sub, groups) -> None:
     p.add_argument("--phase1-steps", type=int, default=2000)
     p.add_argument("--phase1-lr", type=float, default=2e-3)
     p.add_argument("--phase1-tokens", type=int, default=512, help="tokens per layer per phase-1 step")
+    p.add_argument("--phase1-loss", default="relative", choices=["relative", "token"],
+                   help="relative: the paper's relative MSE over all tokens; token: each token's own relative error "
+                        "(for layers where a few attention-sink tokens hold nearly all of the update; docs/dlr-lock.md)")
+    p.add_argument("--phase1-hard-fraction", type=float, default=0.0,
+                   help="share of each phase-1 batch drawn in proportion to the token's update norm (0: uniform)")
+    p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
     p.add_argument("--phase2-steps", type=int, default=200)
     p.add_argument("--phase2-lr", type=float, default=1e-4)
     p.add_argument("--phase2-batch", type=int, default=4)
