@@ -253,3 +253,27 @@ def test_compiled_phase1_trains_the_same_nets_as_eager(tmp_path):
     for sa, sb in zip(find_sites(a).mlp, find_sites(b).mlp):
         for name in ("D", "U", "norm", "alpha"):
             torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-4, atol=1e-5)
+
+
+def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, capsys, ids):
+    import json
+
+    from mlpsurgery.cli import main
+
+    out = tmp_path / "locked"
+    argv = ["lock", "dlr", "tiny:llama", "--out", str(out), "--rank", "4", "--calib-blocks", "8", "--block-len", "32",
+            "--phase1-steps", "5", "--phase1-tokens", "64", "--phase1-loss", "token", "--phase1-hard-fraction", "0.25",
+            "--no-compile", "--phase2-steps", "3", "--phase2-blocks", "4", "--phase2-batch", "2", "--top-k", "4",
+            "--eval-tokens", "256", "--json", "--quiet", "--keep-work", "--workdir", str(tmp_path / "work")]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["perplexity"]) == {"original", "phase1", "phase2"} and r["heldout_ratio"] > 0
+    assert r["config"]["phase1_loss"] == "token" and r["config"]["phase1_hard_fraction"] == 0.25
+    stage = json.loads((tmp_path / "work" / "phase1.stage.json").read_text())
+    assert stage["done"] and stage["settings"]["phase1_loss"] == "token"
+    locked = load(out)
+    assert all(isinstance(s.module, DLRNet) for s in find_sites(locked).mlp)
+    assert torch.isfinite(outputs(locked, ids)).all()
+    # bad input: a clear error, nothing written
+    assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "bad"), "--phase1-hard-fraction", "1.5"]) == 2
+    assert "phase1-hard-fraction must be in [0, 1)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
