@@ -181,13 +181,18 @@ class _CapturedSet:
         self.n = sum(sizes)
         nbytes = 2 * len(layers) * self.n * cap.d * 2
         self.in_memory = nbytes <= memory_limit_gb * 2**30
+        self._norms: Tensor | None = None  # (n_layers, N) update norms, for hard sampling in memory
         if self.in_memory:
-            xs, ys = [], []
-            for k in chunks:
-                c = cap.chunk(k, layers)
-                xs.append(torch.stack([c[i][0] for i in layers]))
-                ys.append(torch.stack([c[i][1] for i in layers]))
-            self.X, self.Y = torch.cat(xs, 1), torch.cat(ys, 1)
+            self.X, self.Y = self._read(chunks)
+
+    def _read(self, chunks: list[int]) -> tuple[Tensor, Tensor]:
+        """(x, y) of the given chunks, each (n_layers, tokens, d), in the stored dtype."""
+        xs, ys = [], []
+        for k in chunks:
+            c = self.cap.chunk(k, self.layers)
+            xs.append(torch.stack([c[i][0] for i in self.layers]))
+            ys.append(torch.stack([c[i][1] for i in self.layers]))
+        return torch.cat(xs, 1), torch.cat(ys, 1)
 
     def sample(self, n_tokens: int, g: torch.Generator, hard_fraction: float = 0.0) -> tuple[Tensor, Tensor]:
         """n_tokens per layer: uniformly, except a hard_fraction share drawn per layer in proportion to the
@@ -196,18 +201,15 @@ class _CapturedSet:
         if self.in_memory:
             X, Y, n = self.X, self.Y, self.n
         else:
-            k = self.chunks[int(torch.randint(0, len(self.chunks), (1,), generator=g))]
-            c = self.cap.chunk(k, self.layers)
-            X = torch.stack([c[i][0] for i in self.layers])
-            Y = torch.stack([c[i][1] for i in self.layers])
+            X, Y = self._read([self.chunks[int(torch.randint(0, len(self.chunks), (1,), generator=g))]])
             n = X.shape[1]
         n_hard = int(round(hard_fraction * n_tokens))
         idx = torch.randint(0, n, (n_tokens - n_hard,), generator=g)
         if not n_hard:
             return X[:, idx].float(), Y[:, idx].float()
         if self.in_memory:
-            if getattr(self, "_norms", None) is None:
-                self._norms = (self.Y.float() - self.X.float()).norm(dim=-1)  # (n_layers, N)
+            if self._norms is None:  # one layer at a time: a float copy of the whole set would double its RAM
+                self._norms = torch.stack([(y.float() - x.float()).norm(dim=-1) for x, y in zip(self.X, self.Y)])
             norms = self._norms
         else:
             norms = (Y.float() - X.float()).norm(dim=-1)
@@ -221,20 +223,12 @@ class _CapturedSet:
         if self.in_memory:
             X, Y = self.X[:, :max_tokens], self.Y[:, :max_tokens]
         else:
-            c = self.cap.chunk(self.chunks[0], self.layers)
-            X = torch.stack([c[i][0] for i in self.layers])
-            Y = torch.stack([c[i][1] for i in self.layers])
+            X, Y = self._read(self.chunks[:1])
         return (Y.float() - X.float()).pow(2).sum(-1).median(-1).values
 
     def all(self) -> tuple[Tensor, Tensor]:
-        if self.in_memory:
-            return self.X.float(), self.Y.float()
-        xs, ys = [], []
-        for k in self.chunks:
-            c = self.cap.chunk(k, self.layers)
-            xs.append(torch.stack([c[i][0] for i in self.layers]))
-            ys.append(torch.stack([c[i][1] for i in self.layers]))
-        return torch.cat(xs, 1).float(), torch.cat(ys, 1).float()
+        X, Y = (self.X, self.Y) if self.in_memory else self._read(self.chunks)
+        return X.float(), Y.float()
 
 
 def _compiled(net: nn.Module):
