@@ -58,7 +58,7 @@ class DLRConfig:
     phase1_val_fraction: float = 0.1  # captured chunks held out to report the relative error
     phase1_hard_fraction: float = 0.0  # share of each phase-1 batch drawn in proportion to ||y_t - x_t|| (rest uniform)
     phase1_loss: str = "relative"  # relative: the paper's sum_t ||e_t||^2 / sum_t ||y_t - x_t||^2 | token: see token_relative_error
-    compile: bool = True  # torch.compile phase 1's batched network (about 2x faster on CPU); eager if it fails
+    compile: bool = True  # torch.compile phase 1's batched network (2.6x faster on one CPU thread); eager if it fails
     phase2_steps: int = 200
     phase2_lr: float = 1e-4
     phase2_batch: int = 4  # blocks per step
@@ -233,7 +233,7 @@ class _CapturedSet:
 
 def _compiled(net: nn.Module):
     """net's forward through torch.compile (fuses the element-wise RMSNorm / SiLU / residual work between the
-    batched matmuls: 8.0 -> 3.8 s per SmolLM2 phase-1 step on one CPU thread), or net itself where
+    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/dlr_phase1_step.py), or net itself where
     compilation is unavailable (no C compiler, unsupported platform): the math is the same."""
     try:
         fn = torch.compile(net)
