@@ -137,6 +137,8 @@ def render_attack(r: dict) -> str:
 
 
 def register(sub, groups) -> None:
+    from ..methods.dlr_lock import PHASE1_LOSSES, DLRConfig
+
     p = command(groups["lock"], "dlr", run_lock, render_lock,
                 "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
@@ -148,13 +150,15 @@ def register(sub, groups) -> None:
     p.add_argument("--block-len", type=int, default=256)
     p.add_argument("--calib-blocks", type=int, default=256, help="blocks captured for phase 1 (256)")
     p.add_argument("--phase1-steps", type=int, default=2000)
-    p.add_argument("--phase1-lr", type=float, default=2e-3)
+    p.add_argument("--phase1-lr", type=float, default=DLRConfig.phase1_lr)
     p.add_argument("--phase1-tokens", type=int, default=512, help="tokens per layer per phase-1 step")
-    p.add_argument("--phase1-loss", default="relative", choices=["relative", "token"],
-                   help="relative: the paper's relative MSE over all tokens; token: each token's own relative error "
-                        "(for layers where a few attention-sink tokens hold nearly all of the update; docs/dlr-lock.md)")
-    p.add_argument("--phase1-hard-fraction", type=float, default=0.0,
-                   help="share of each phase-1 batch drawn in proportion to the token's update norm (0: uniform)")
+    p.add_argument("--phase1-loss", default=DLRConfig.phase1_loss, choices=list(PHASE1_LOSSES),
+                   help="token (default): each token's own relative error, so the tokens outside the attention sink count "
+                        "in the layers the sink dominates; relative: the paper's relative MSE over all tokens "
+                        "(docs/dlr-lock.md)")
+    p.add_argument("--phase1-hard-fraction", type=float, default=DLRConfig.phase1_hard_fraction,
+                   help="share of each phase-1 batch drawn in proportion to the token's update norm "
+                        f"(default {DLRConfig.phase1_hard_fraction}; 0: uniform, the paper's)")
     p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
     p.add_argument("--phase2-steps", type=int, default=200)
     p.add_argument("--phase2-lr", type=float, default=1e-4)
