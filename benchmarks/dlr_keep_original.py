@@ -38,16 +38,16 @@ def main() -> None:
     settings = json.loads(stage.read_text())["settings"]
     layers = settings["layers"]
     state = load_file(str(work / "phase1.safetensors"))
-    rows = []
+    rows, corpus, net = [], None, None
     for keep in args.keep:
         kept = [] if keep == "none" else [int(v) for v in keep.split(",")]
-        loaded = load_model(args.model)
-        model, tok = loaded.model, loaded.require_tokenizer()
-        d = model.config.hidden_size
-        net = StackedDLR(len(layers), d, settings["rank"], settings["depth"], settings["eps"])
-        net.load_state_dict(state)
+        loaded = load_model(args.model)  # afresh for each setting: install replaces the MLPs in place
+        model = loaded.model
+        if corpus is None:
+            corpus = load_corpus(args.data, loaded.require_tokenizer())
+            net = StackedDLR(len(layers), model.config.hidden_size, settings["rank"], settings["depth"], settings["eps"])
+            net.load_state_dict(state)
         install(model, {i: net.unstack(j) for j, i in enumerate(layers) if i not in kept})
-        corpus = load_corpus(args.data, tok)
         ppl = perplexity(model, corpus.heldout, block_len=512, max_tokens=args.tokens, progress=False).ppl
         rows.append({"original MLP kept in layers": keep, "locked layers": len(layers) - len(kept),
                      "held-out perplexity": round(ppl, 1)})

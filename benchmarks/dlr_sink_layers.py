@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mlpsurgery.capture import open_capture
+from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.methods import dlr_lock as dl
 from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
@@ -41,23 +42,24 @@ def main() -> None:
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     root = Path(args.workdir) / "capture"
-    if not (root / "capture.json").exists():
-        raise SystemExit(f"{root} holds no capture; run `mlpsurgery lock dlr ... --workdir {args.workdir} --keep-work`")
-    meta = json.loads((root / "capture.json").read_text())
+    try:
+        cap = open_capture(root)
+    except MLPSurgeryError as exc:
+        raise SystemExit(f"{exc}; run `mlpsurgery lock dlr ... --workdir {args.workdir} --keep-work`") from None
     layers = [int(v) for v in args.layers.split(",")]
-    if missing := sorted(set(layers) - set(meta["layers"])):
-        raise SystemExit(f"layers {missing} were not captured in {root} (it has {meta['layers']})")
-    cap = open_capture(root)
-    train = dl._CapturedSet(cap, layers, list(range(meta["n_chunks"] - 2)), memory_limit_gb=8.0)
-    val = dl._CapturedSet(cap, layers, list(range(meta["n_chunks"] - 2, meta["n_chunks"])), memory_limit_gb=8.0)
+    if missing := sorted(set(layers) - set(cap.layers)):
+        raise SystemExit(f"layers {missing} were not captured in {root} (it has {cap.layers})")
+    train_chunks, val_chunks = dl.split_chunks(cap.n_chunks, dl.DLRConfig.phase1_val_fraction)  # phase 1's split
+    train = dl._CapturedSet(cap, layers, train_chunks, memory_limit_gb=8.0)
+    val = dl._CapturedSet(cap, layers, val_chunks, memory_limit_gb=8.0)
     Xv, Yv = val.all()
     sink = torch.arange(Xv.shape[1]) % args.block_len == 0
+    floor = train.median_update_energy()  # the token loss's per-layer floor (the same for every recipe)
     rows = []
     for recipe in args.recipes.split(","):
         loss_name, hard, lr, steps = recipe.split(":")
         hard, lr, steps = float(hard), float(lr), int(steps)
         net = StackedDLR(len(layers), cap.d, args.rank, args.depth, seed=0)
-        floor = train.median_update_energy()
 
         def loss_fn(step: int):
             x, y = train.sample(args.tokens, step_rng(0, step), hard)

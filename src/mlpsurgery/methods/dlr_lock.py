@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..capture import capture_mlp_io, fingerprint
+from ..capture import capture_mlp_io, fingerprint, open_capture
 from ..errors import MLPSurgeryError
 from ..io import atomic_write_text, record
 from ..measure.perplexity import is_causal_lm
@@ -174,6 +174,14 @@ def _finish(workdir: Path, name: str) -> None:
 # Phase 1
 
 
+def split_chunks(n_chunks: int, val_fraction: float) -> tuple[list[int], list[int]]:
+    """(training, held-out) chunk indices of a capture: the last val_fraction of the chunks (at least one)
+    are held out; a single chunk serves as both."""
+    n_val = max(1, int(round(val_fraction * n_chunks))) if n_chunks > 1 else 0
+    train = list(range(n_chunks - n_val))
+    return train, list(range(n_chunks - n_val, n_chunks)) or train
+
+
 class _CapturedSet:
     """Captured (x, y) of all layers as (n_layers, N, d) tensors in RAM, or per chunk from disk."""
 
@@ -296,9 +304,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
     dtype = getattr(torch, cfg.capture_dtype)
     cap = capture_mlp_io(model, blocks, layers=layers, batch_size=8, out_dir=workdir / "capture", dtype=dtype,
                          progress=progress)
-    n_val = max(1, int(round(cfg.phase1_val_fraction * cap.n_chunks))) if cap.n_chunks > 1 else 0
-    train_chunks = list(range(cap.n_chunks - n_val))
-    val_chunks = list(range(cap.n_chunks - n_val, cap.n_chunks)) or train_chunks
+    train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
     train = _CapturedSet(cap, layers, train_chunks, cfg.memory_limit_gb)
     val = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
     net = StackedDLR(len(layers), d, cfg.rank, depth, cfg.eps, seed=cfg.seed).to(device)
@@ -488,14 +494,8 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
 def module_errors(model: nn.Module, workdir: Path, layers: list[int], cfg: DLRConfig) -> dict[int, float]:
     """Relative error of each installed DLR-Net against the original sub-block on the held-out captured
     tokens (the same tokens phase 1 reports on)."""
-    from ..capture import Capture
-
-    meta = json.loads((workdir / "capture" / "capture.json").read_text())
-    n_chunks = meta["n_chunks"]
-    cap = Capture(layers=meta["layers"], d=find_sites(model).config.hidden_size, root=workdir / "capture",
-                  n_chunks=n_chunks)
-    n_val = max(1, int(round(cfg.phase1_val_fraction * n_chunks))) if n_chunks > 1 else 0
-    chunks = list(range(n_chunks - n_val, n_chunks)) or list(range(n_chunks))
+    cap = open_capture(workdir / "capture")
+    _, chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
     sites = find_sites(model)
     out = {}
     for i in layers:
