@@ -47,13 +47,19 @@ WEIGHTS = "model.safetensors"
 # Atomic folders
 
 
+def check_out(out: str | Path, overwrite: bool = False) -> None:
+    """Refuse an output path that exists and is not an empty folder, unless overwriting: called by
+    atomic_dir, and up front by commands that would otherwise find out only after hours of work."""
+    out = Path(out)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path, overwrite: bool = False):
     """Yield a temporary folder beside `out`; on success it replaces `out`, on error it is removed."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        if not out.is_dir() or any(out.iterdir()):
-            raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

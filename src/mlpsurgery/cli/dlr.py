@@ -14,15 +14,13 @@ from .core import MODEL_HELP
 
 def run_lock(args) -> dict:
     from ..data import load_corpus
-    from ..errors import MLPSurgeryError
-    from ..io import save
+    from ..io import check_out, save
     from ..measure.perplexity import is_causal_lm, perplexity
     from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
     from ..models import load_model
 
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    check_out(out, args.overwrite)
     loaded = load_model(args.model)
     model, tok = loaded.model.to(device_of(args)), loaded.require_tokenizer()
     cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,

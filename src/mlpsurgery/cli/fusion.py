@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from ..report import human_count, table
 from . import command, device_of
@@ -12,14 +11,6 @@ from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
                "magnitude (unstructured, same weight count), neuron (importance pruning), random (random neurons)")
-
-
-def _check_out(out: str, overwrite: bool) -> None:
-    from ..errors import MLPSurgeryError
-
-    p = Path(out)
-    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
 
 
 # ---- fuse -------------------------------------------------------------------------------------------
@@ -31,7 +22,9 @@ def run_fuse(args) -> dict:
     from ..methods.fusion import FusionConfig, fuse
     from ..models import load_model
 
-    _check_out(args.out, args.overwrite)
+    from ..io import check_out
+
+    check_out(args.out, args.overwrite)
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
                        device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
                        tune_lr=args.tune_lr)

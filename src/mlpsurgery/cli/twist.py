@@ -23,9 +23,9 @@ def _ints(text: str | None) -> list[int]:
 
 def _free_out(out: str, overwrite: bool) -> None:
     """Refuse an occupied --out before hours of training, not after."""
-    p = Path(out)
-    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    from ..io import check_out
+
+    check_out(out, overwrite)
 
 
 # ---- twist train ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import IntegrityError, MLPSurgeryError, UnsupportedArchitectureError
-from ..io import record
+from ..io import check_out, record
 from ..sites import AttnSite, MLPSite, find_sites, generic_layers
 from ..report import save_figure
 
@@ -1131,8 +1131,7 @@ def _numels(model: nn.Module) -> dict[str, int]:
 
 
 def _check_targets(out: Path, key_path: Path | None, overwrite: bool) -> None:
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    check_out(out, overwrite)
     if key_path is None:
         return
     if key_path.exists() and not overwrite:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import MLPSurgeryError
-from ..io import record
+from ..io import check_out, record
 from ..modules.nested import NestedLinear
 from ..sites import find_sites, linear_weight, parse_layers
 from ..train import FitConfig, fit, step_rng, trainable
@@ -664,8 +664,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     from ..train import classifier_loss, lm_loss
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:  # before hours of training
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
+    check_out(out, overwrite)  # before hours of training
     steps = train.fit.steps if train else 0
     probe = load_model(model_spec)
     if not _is_classifier(probe.model) and any(a.endswith("ForSequenceClassification")
