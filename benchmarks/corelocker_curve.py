@@ -23,6 +23,7 @@ from corelocker_table1 import r8_metrics  # noqa: E402
 
 import mlpsurgery as ms  # noqa: E402
 from mlpsurgery.methods.corelocker import CoreLockerConfig, Ranking, extracted, lm_utility, unit_groups  # noqa: E402
+from mlpsurgery.report import save_figure  # noqa: E402
 
 RATIOS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2)
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "corelocker_curve.png"
@@ -80,10 +81,7 @@ def plot() -> Path:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    IMG.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(IMG, dpi=120)
-    return IMG
+    return save_figure(fig, IMG)
 
 
 def main():

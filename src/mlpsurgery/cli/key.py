@@ -5,18 +5,10 @@ prompt, never from the command line."""
 from __future__ import annotations
 
 from ..report import human_bytes, table
-from . import command, device_of
-from .core import MODEL_HELP
+from . import command
+from .core import MODEL_HELP, _load
 
 TASKS = ("auto", "causal-lm", "encoder", "classifier")
-
-
-def _load(args):
-    from ..models import load_model
-
-    loaded = load_model(args.model, task=args.task)
-    loaded.model.to(device_of(args))
-    return loaded
 
 
 def _floats(text: str) -> list[float]:
@@ -37,7 +29,7 @@ def run_lock(args) -> dict:
                            unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
     cfg.validate()
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
-    loaded = _load(args)
+    loaded = _load(args, task=args.task)
     needs_utility = args.target_utility is not None or args.measure
     utility = default_utility(loaded.model, loaded.tokenizer, args.data, args.calib_size) if needs_utility else None
     res = lock_folder(loaded.model, args.out, args.key, cfg, tokenizer=loaded.tokenizer, passphrase=passphrase,
@@ -96,7 +88,7 @@ def run_attack(args) -> dict:
     from ..methods.corelocker import (attack_table, classifier_finetune, classifier_utility, lm_finetune,
                                       lm_utility)
 
-    loaded = _load(args)
+    loaded = _load(args, task=args.task)
     model, tok = loaded.model, loaded.require_tokenizer()
     progress = not (args.quiet or args.json)
     if type(model).__name__.endswith("ForSequenceClassification"):

@@ -101,13 +101,15 @@ def generate_blueprint(n_full: int, n_sub: int, workers: int, common=(), generat
     """Algorithm 1: S sorted rows of N_sub block indices, each holding C, together covering all blocks."""
     check_subnet_size(n_full, n_sub, workers, common)
     common = sorted(set(int(b) for b in common))
-    rest = [b for b in range(n_full) if b not in set(common)]
+    taken = set(common)
+    rest = [b for b in range(n_full) if b not in taken]
     rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
     rows = [list(common) for _ in range(workers)]
     for i, b in enumerate(rest):  # every block is assigned
         rows[i % workers].append(b)
     for row in rows:  # every subnet gets N_sub blocks
-        pool = [b for b in range(n_full) if b not in set(row)]
+        taken = set(row)
+        pool = [b for b in range(n_full) if b not in taken]
         row += [pool[i] for i in torch.randperm(len(pool), generator=generator)[: n_sub - len(row)].tolist()]
     return [sorted(row) for row in rows]
 
@@ -116,7 +118,8 @@ def deployment_subnet(n_full: int, n_sub: int, common=(), generator: torch.Gener
     """One subnet for deployment: C plus random blocks, sorted (no coverage constraint)."""
     _check_subnet(n_full, n_sub, common, "deployment subnet")
     common = sorted(set(int(b) for b in common))
-    rest = [b for b in range(n_full) if b not in set(common)]
+    taken = set(common)
+    rest = [b for b in range(n_full) if b not in taken]
     pick = torch.randperm(len(rest), generator=generator)[: n_sub - len(common)].tolist()
     return sorted(common + [rest[i] for i in pick])
 
@@ -412,6 +415,10 @@ class Aggregator:
     def write(self) -> None:
         """Replace the central model's weights by the means."""
         params = _params(self.central)
+
+        def div(t, n):  # an optional tensor (a bias) divided by its count
+            return None if t is None else t / n
+
         with torch.no_grad():
             for name, acc in self.shared.items():
                 params[name].copy_(acc / self.n)
@@ -421,10 +428,6 @@ class Aggregator:
                 missing = per_group.eq(0).nonzero().flatten().tolist()
                 raise AssertionError(f"layer {i}: KV groups {missing} held by no subnet")
             per_head = per_group.repeat_interleave(acc.group_size)
-
-            def div(t, n):
-                return None if t is None else t / n
-
             self.sites.attn[i].write(AttnWeights(
                 q=acc.q / per_head[:, None, None], k=acc.k / per_group[:, None, None],
                 v=acc.v / per_group[:, None, None], o=acc.o / per_head[None, :, None],
@@ -435,11 +438,9 @@ class Aggregator:
             if (n == 0).any():
                 raise AssertionError(f"layer {i}: MLP neurons held by no subnet")
             self.sites.mlp[i].write(MLPWeights(
-                up=acc.up / n[:, None], down=acc.down / n[None, :],
-                gate=None if acc.gate is None else acc.gate / n[:, None],
-                up_bias=None if acc.up_bias is None else acc.up_bias / n,
-                gate_bias=None if acc.gate_bias is None else acc.gate_bias / n,
-                down_bias=None if acc.down_bias is None else acc.down_bias / self.n, activation=acc.activation))
+                up=acc.up / n[:, None], down=acc.down / n[None, :], gate=div(acc.gate, n[:, None]),
+                up_bias=div(acc.up_bias, n), gate_bias=div(acc.gate_bias, n), down_bias=div(acc.down_bias, self.n),
+                activation=acc.activation))
 
 
 # --------------------------------------------------------------------------------------------------
