@@ -27,6 +27,20 @@ def ids(tokenizer):
     return torch.tensor([tokenizer(TEXT)["input_ids"][:48], tokenizer(TEXT)["input_ids"][48:96]])
 
 
+def edit_manifest(folder, fn):
+    """Change a saved folder's surgery.json with fn(manifest) and re-sign its digest, as a deliberate editor
+    would: what load must still catch by its deeper checks."""
+    import json
+
+    from mlpsurgery.io import MANIFEST, _digest
+
+    path = Path(folder) / MANIFEST
+    m = json.loads(path.read_text())
+    fn(m)
+    m["manifest_sha256"] = _digest(m)
+    path.write_text(json.dumps(m))
+
+
 def outputs(model, ids):
     """Logits of a causal LM, last hidden state of an encoder."""
     with torch.no_grad():

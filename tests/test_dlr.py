@@ -280,4 +280,4 @@ def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, cap
     assert "phase1-hard-fraction must be in [0, 1)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     (tmp_path / "a-file").write_text("x")  # an --out that is a file: refused, untouched
     assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "a-file")]) == 2
-    assert "already exists and is not empty" in capsys.readouterr().err and (tmp_path / "a-file").read_text() == "x"
+    assert "is a file" in capsys.readouterr().err and (tmp_path / "a-file").read_text() == "x"

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers as T
 
-from conftest import outputs
+from conftest import edit_manifest, outputs
 from mlpsurgery.errors import IntegrityError, MLPSurgeryError, NotExportableError
 from mlpsurgery.io import export, load, read_manifest, record, save
 from mlpsurgery.modules.dense import DenseMLP
@@ -83,10 +83,8 @@ def test_corrupted_manifest_is_refused(tmp_path):
 
 def test_unknown_module_class_in_manifest_is_refused(tmp_path):
     save(tiny_model("llama"), tmp_path / "m")
-    path = tmp_path / "m" / "surgery.json"
-    m = json.loads(path.read_text())
-    m["modules"] = [{"path": "model.layers.0.mlp", "class": "os.system", "config": {}}]
-    path.write_text(json.dumps(m))
+    edit_manifest(tmp_path / "m", lambda m: m.update(modules=[{"path": "model.layers.0.mlp", "class": "os.system",
+                                                               "config": {}}]))
     with pytest.raises(IntegrityError, match="does not know"):
         load(tmp_path / "m")
 
@@ -107,10 +105,7 @@ def test_missing_weight_is_a_strict_error(tmp_path):
     s = find_sites(model).mlp[0]
     s.replace_mlp(DenseMLP.from_weights(s.read()))
     save(model, tmp_path / "m")
-    path = tmp_path / "m" / "surgery.json"
-    m = json.loads(path.read_text())
-    m["modules"] = []
-    path.write_text(json.dumps(m))
+    edit_manifest(tmp_path / "m", lambda m: m.update(modules=[]))
     with pytest.raises(IntegrityError, match="does not fit"):
         load(tmp_path / "m")
 

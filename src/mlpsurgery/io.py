@@ -2,18 +2,22 @@
 
 A saved folder holds:
     config.json          the base model's config (a stock transformers config)
+    generation_config.json   for models that generate
     model.safetensors    every tensor (shared / tied tensors stored once)
     surgery.json         the manifest: format version, library version, model class, the modules that
                          differ from the stock architecture (path, class, constructor config), the
                          history of methods applied (name, config, provenance: data, seed, steps), the
-                         source model, and a SHA-256 of model.safetensors
+                         source model (a name and a fingerprint, never a local path), a SHA-256 of every
+                         file above, and a digest of the manifest itself
     tokenizer files      when a tokenizer was given
+    .mlpsurgery          the marker that says mlpsurgery wrote the folder (see files.py)
 
 `load` rebuilds the stock model from config.json, replays the module replacements from the manifest
 (only classes in the module registry can be named: an allowlist), then loads the weights with strict
 key checking: a missing or unexpected tensor is an error, never a silently random layer.
 `export` writes a folder that plain `AutoModel*.from_pretrained` loads, where the structure allows.
-All writes go to a temporary sibling folder that is renamed into place, so a crash leaves no half model.
+All writes go to a temporary sibling folder that is swapped into place, so a crash leaves no half model, and
+only a folder mlpsurgery wrote is ever replaced (files.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,6 @@ import contextlib
 import copy
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,62 +34,19 @@ from safetensors.torch import load_model as st_load_model
 from safetensors.torch import save_model as st_save_model
 from torch import nn
 
-from . import __version__
+from . import __version__, files
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError
 from .modules import MODULES, build, module_config
 
 FORMAT = "mlpsurgery"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every model-defining file checksummed, the manifest digests itself
 MANIFEST = "surgery.json"
 WEIGHTS = "model.safetensors"
 
 
-# --------------------------------------------------------------------------------------------------
-# Atomic folders
-
-
-def check_out(out: str | Path, overwrite: bool = False) -> None:
-    """Refuse an output path that exists and is not an empty folder, unless overwriting: called by
-    atomic_dir, and up front by commands that would otherwise find out only after hours of work."""
-    out = Path(out)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
-
-
-@contextlib.contextmanager
-def atomic_dir(out: str | Path, overwrite: bool = False):
-    """Yield a temporary folder beside `out`; on success it replaces `out`, on error it is removed."""
-    out = Path(out)
-    check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# Folder rules (markers, atomic replacement, refusals) live in files.py; re-exported for the methods.
+check_out, atomic_dir, sha256_file, write_text = files.check_out, files.atomic_dir, files.sha256_file, files.write_text
+atomic_write_text = files.write_text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,9 +108,23 @@ def source_of(model: nn.Module) -> str | None:
 # Save / load
 
 
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON without its own digest: an edit of any field shows."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
-         extra: dict | None = None) -> Path:
-    """Write `model` (with any surgery) to folder `out` atomically. Returns the folder."""
+         extra: dict | None = None, inputs=()) -> Path:
+    """Write `model` (with any surgery) to folder `out` atomically. Returns the folder.
+
+    inputs: paths the model was made from (model folder, data, key); `out` may not be, hold or lie inside one.
+    Every file that defines the model (config, weights, generation config) is listed in the manifest with its
+    SHA-256, and the manifest carries a digest of itself: `load` refuses a folder where any of them changed.
+    """
     if not hasattr(model, "config"):
         raise MLPSurgeryError("save() needs a transformers model (with .config); for plain PyTorch models use "
                               "safetensors.torch.save_model")
@@ -164,47 +136,91 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     }
     if extra:
         manifest["extra"] = extra
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         model.config.save_pretrained(tmp)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and getattr(model, "can_generate", lambda: False)():
+            gen.save_pretrained(tmp)
         st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        manifest["weights_sha256"] = sha256_file(tmp / WEIGHTS)
+        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())
+                             if p.is_file() and p.name not in (MANIFEST, files.MARKER)}
+        manifest["weights_sha256"] = manifest["files"][WEIGHTS]
+        manifest["manifest_sha256"] = _digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
 
 
+def _edited(path: Path, what: str) -> IntegrityError:
+    return IntegrityError(f"{path}: {what}; the manifest was edited or damaged. Restore the folder from the original "
+                          "save, or save the model again")
+
+
 def read_manifest(folder: str | Path) -> dict:
+    """The folder's manifest, checked: its fields have the types mlpsurgery wrote, and (format 2) its own digest."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.exists():
         raise MLPSurgeryError(f"{folder} does not exist")
+    if not folder.is_dir():
+        raise MLPSurgeryError(f"{folder} is a file, not a model folder")
     if not path.exists():
         raise MLPSurgeryError(f"{folder} has no {MANIFEST}: it was not written by mlpsurgery.save "
                               "(a plain transformers folder loads with from_pretrained)")
+    if not path.is_file():
+        raise _edited(path, "is not a file")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
         raise IntegrityError(f"{path} is corrupted (not valid JSON: {e.msg} at line {e.lineno}); restore it from "
                              "the original save or save the model again") from None
+    except (UnicodeDecodeError, RecursionError, OSError) as e:
+        raise IntegrityError(f"{path} cannot be read as JSON ({type(e).__name__}); restore it from the original "
+                             "save or save the model again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise IntegrityError(f"{path} is not an mlpsurgery manifest (no \"format\": \"{FORMAT}\")")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise IntegrityError(f"{path} has format version {manifest['format_version']}; this mlpsurgery reads up to "
+    version = manifest.get("format_version", 0)
+    if type(version) is not int or version < 1:
+        raise _edited(path, f"format_version {version!r} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise IntegrityError(f"{path} has format version {version}; this mlpsurgery reads up to "
                              f"{FORMAT_VERSION}: upgrade mlpsurgery")
-    for key in ("model_class", "modules", "weights_sha256"):
+    required = ("model_class", "modules", "weights_sha256") + (("files", "manifest_sha256") if version >= 2 else ())
+    for key in required:
         if key not in manifest:
             raise IntegrityError(f"{path} lacks {key!r}: the manifest is incomplete or was edited")
+    if version >= 2 and manifest["manifest_sha256"] != _digest(manifest):
+        raise _edited(path, "its contents do not match its own checksum (manifest_sha256)")
+    if not isinstance(manifest["model_class"], str):
+        raise _edited(path, "model_class is not a string")
+    mods = manifest["modules"]
+    if not isinstance(mods, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("class"), str)
+            and isinstance(e.get("config", {}), dict) for e in mods):
+        raise _edited(path, "'modules' must be a list of {path, class, config} entries")
+    if not isinstance(manifest.get("history", []), list):
+        raise _edited(path, "'history' is not a list")
+    if manifest.get("dtype", "float32") not in DTYPES:
+        raise _edited(path, f"dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    listed = manifest.get("files", {WEIGHTS: manifest["weights_sha256"]})
+    if not isinstance(listed, dict) or not all(isinstance(k, str) and isinstance(v, str) and "/" not in k
+                                               and k not in ("", ".", "..") for k, v in listed.items()):
+        raise _edited(path, "'files' must map file names to SHA-256 digests")
     return manifest
 
 
-def rebuild(config, model_class: str, modules: list[dict]) -> nn.Module:
-    """The stock model with the manifest's module replacements, weights uninitialised."""
+def rebuild(config, model_class: str, modules: list[dict], weights: Path | None = None) -> nn.Module:
+    """The stock model with the manifest's module replacements, weights uninitialised. With `weights`, every
+    replacement is first built on the meta device and its tensor shapes checked against the file's header, so a
+    manifest that asks for other (or absurd) sizes is refused before anything is allocated."""
     import transformers
 
     klass = getattr(transformers, model_class, None)
     if klass is None or not isinstance(klass, type) or not issubclass(klass, transformers.PreTrainedModel):
         raise IntegrityError(f"the manifest names model class {model_class!r}, which transformers does not have")
+    if weights is not None:
+        _check_shapes(config, klass, modules, weights)
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers
@@ -213,14 +229,60 @@ def rebuild(config, model_class: str, modules: list[dict]) -> nn.Module:
         model = klass._from_config(config)
     model.tie_weights()  # no_init_weights also skips the tying that init would do
     for entry in modules:
-        try:
-            parent, _, name = entry["path"].rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            getattr(owner, name)
-        except (AttributeError, KeyError, TypeError):
-            raise IntegrityError(f"the manifest replaces {entry.get('path')!r}, which this model does not have") from None
+        owner, name = _owner(model, entry)
         setattr(owner, name, build(entry["class"], entry.get("config", {})))
     return model
+
+
+def _owner(model: nn.Module, entry: dict) -> tuple[nn.Module, str]:
+    try:
+        parent, _, name = entry["path"].rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        getattr(owner, name)
+    except (AttributeError, KeyError, TypeError):
+        raise IntegrityError(f"the manifest replaces {entry.get('path')!r}, which this model does not have") from None
+    return owner, name
+
+
+def _check_shapes(config, klass, modules: list[dict], weights: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - a damaged header of any kind
+        raise IntegrityError(f"{weights} is damaged ({type(e).__name__}: {e}); restore it or save the model again") \
+            from None
+    with torch.device("meta"):
+        skeleton = klass._from_config(config)
+        for entry in modules:
+            owner, name = _owner(skeleton, entry)
+            mod = build(entry["class"], entry.get("config", {}))
+            setattr(owner, name, mod)
+            for key, t in mod.state_dict().items():
+                full = f"{entry['path']}.{key}"
+                if full in shapes and shapes[full] != tuple(t.shape):
+                    raise IntegrityError(f"the manifest builds {full} as {tuple(t.shape)}, but {weights.name} holds "
+                                         f"{shapes[full]}: the manifest was edited")
+    wanted = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    odd = sorted(k for k in wanted if k in shapes and wanted[k] != shapes[k])
+    if odd:
+        raise IntegrityError(f"{weights.name} does not fit the structure in {MANIFEST}: {odd[0]} is "
+                             f"{shapes[odd[0]]}, the model needs {wanted[odd[0]]}")
+
+
+def verify_files(folder: Path, manifest: dict) -> None:
+    """Every file the manifest lists is present and unchanged."""
+    listed = manifest.get("files", {WEIGHTS: manifest["weights_sha256"]})
+    for name, digest in listed.items():
+        path = folder / name
+        if not path.exists():
+            raise IntegrityError(f"{folder} has no {name}; the save was incomplete or the file was removed")
+        if not path.is_file():
+            raise IntegrityError(f"{path} is not a file; restore the folder from the original save")
+        if files.sha256_file(path) != digest:
+            raise IntegrityError(f"{path} does not match the checksum in {MANIFEST}: the file was modified or "
+                                 "truncated; restore it, or save the model again")
 
 
 def load(folder: str | Path, verify: bool = True) -> nn.Module:
@@ -230,15 +292,17 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
     folder = Path(folder)
     manifest = read_manifest(folder)
     weights = folder / WEIGHTS
-    if not weights.exists():
-        raise IntegrityError(f"{folder} has no {WEIGHTS}; the save was incomplete")
-    if verify and sha256_file(weights) != manifest["weights_sha256"]:
-        raise IntegrityError(f"{weights} does not match the checksum in {MANIFEST}: the file was modified or "
-                             "truncated")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    model = rebuild(config, manifest["model_class"], manifest["modules"])
-    dtype = getattr(torch, manifest.get("dtype", "float32"))
-    model.to(dtype)
+    if not weights.is_file():
+        raise IntegrityError(f"{folder} has no {WEIGHTS} file; the save was incomplete")
+    if verify:
+        verify_files(folder, manifest)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{folder / 'config.json'} cannot be read ({str(e).splitlines()[0][:200]}); restore it "
+                             "from the original save") from None
+    model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights)
+    model.to(getattr(torch, manifest.get("dtype", "float32")))
     try:
         missing, unexpected = st_load_model(model, str(weights), strict=False)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
@@ -248,6 +312,11 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
                              f"unexpected {sorted(unexpected)[:8]}")
     model._mlpsurgery_history = manifest.get("history", [])
     model._mlpsurgery_source = manifest.get("source")
+    if (folder / "generation_config.json").is_file():
+        with contextlib.suppress(Exception):
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(folder)
     return model.eval()
 
 
@@ -331,7 +400,7 @@ def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwri
     else:
         model = src
     stock = to_stock(model)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, inputs=[src] if isinstance(src, (str, Path)) else ()) as tmp:
         stock.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -58,8 +58,9 @@ def build(name: str, cfg: dict[str, Any]) -> nn.Module:
                 mod.bias = None
             return mod
         return klass.from_config(cfg)
-    except (KeyError, TypeError) as e:
-        raise IntegrityError(f"the manifest's config for {name} is invalid ({e}); it was edited by hand") from None
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise IntegrityError(f"the manifest's config for {name} is invalid ({type(e).__name__}: {e}); it was edited "
+                             "by hand") from None
 
 
 def module_config(mod: nn.Module) -> dict[str, Any]:
