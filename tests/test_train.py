@@ -53,6 +53,52 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
     assert r.resumed_from == 30
 
 
+@pytest.mark.parametrize("where", ["right after the optimizer step", "inside the forward"])
+def test_real_sigint_anywhere_in_a_step_resumes_exactly(tmp_path, monkeypatch, where):
+    """A real Ctrl-C (SIGINT to this process) at step 6, either just after AdamW updated the parameters (the
+    update must be counted) or in the middle of the loss (the dropout RNG it consumed must be given back)."""
+    import os
+    import signal
+
+    cfg = FitConfig(steps=12, lr=1e-2, checkpoint_every=100)
+    net_a, loss_a = problem()
+    torch.manual_seed(77)
+    fit(dict(net_a.named_parameters()), loss_a, cfg, progress=False)
+
+    net_b, loss_b = problem()
+    torch.manual_seed(77)
+    calls = []
+    if where.startswith("right after"):
+        real_step = torch.optim.AdamW.step
+
+        def step_then_sigint(self, *a, **k):
+            out = real_step(self, *a, **k)
+            calls.append(1)
+            if len(calls) == 6:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+
+        monkeypatch.setattr(torch.optim.AdamW, "step", step_then_sigint)
+        loss_fn = loss_b
+    else:
+        def loss_fn(step):
+            out = loss_b(step)  # the dropout has drawn from the global RNG
+            if step == 6:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+    with pytest.raises(KeyboardInterrupt):
+        fit(dict(net_b.named_parameters()), loss_fn, cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    monkeypatch.undo()
+    saved = load_checkpoint(tmp_path / "ck")
+    assert saved["step"] == len(saved["history"]) == 6
+    net_c, loss_c = problem(seed=5)
+    torch.manual_seed(1234)  # a fresh process: another global RNG, restored from the checkpoint
+    r = fit(dict(net_c.named_parameters()), loss_c, cfg, checkpoint_dir=tmp_path / "ck", progress=False)
+    assert r.resumed_from == 6
+    for pa, pc in zip(net_a.parameters(), net_c.parameters()):
+        assert torch.equal(pa, pc)
+
+
 def test_checkpoint_for_other_settings_is_refused(tmp_path):
     net, loss_fn = problem()
     fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=3), checkpoint_dir=tmp_path / "ck", progress=False)

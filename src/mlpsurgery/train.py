@@ -10,10 +10,11 @@ atomically; Ctrl-C writes one before stopping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
-import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import files
 from .errors import IntegrityError, MLPSurgeryError
 
 
@@ -95,21 +97,13 @@ def _unflatten(obj, tensors: dict[str, Tensor]):
 
 
 def save_checkpoint(folder: str | Path, state: dict) -> None:
-    """Write a nested dict of tensors and JSON values to folder/{state.json, tensors.safetensors}, atomically."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    """Write a nested dict of tensors and JSON values to folder/{state.json, tensors.safetensors}, atomically
+    (a marked folder swapped into place: a kill leaves the old checkpoint or the new one)."""
     tensors: dict[str, Tensor] = {}
     skeleton = _flatten(state, "s", tensors)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, str(tmp / "tensors.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(skeleton))
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with files.atomic_dir(folder, overwrite=True, kind="checkpoint") as tmp:
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(skeleton))
 
 
 def load_checkpoint(folder: str | Path) -> dict | None:
@@ -207,7 +201,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         if on_resume is not None:
             on_resume(state.get("extra", {}))
 
-    def write(step: int, seconds: float):
+    def write(step: int, seconds: float, rng: dict | None = None):
         if ckpt is None:
             return
         extra: dict = {}
@@ -215,14 +209,16 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             on_checkpoint(extra)
         save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
                                "params": {n: params[n].detach() for n in names}, "optimizer": opt.state_dict(),
-                               "rng": rng_state(), "history": history, "config": asdict(cfg), "extra": extra})
+                               "rng": rng or rng_state(), "history": history, "config": asdict(cfg), "extra": extra})
 
     t0 = time.perf_counter() - elapsed
-    step = start
+    done = start  # steps whose update is complete: what a checkpoint written now may claim
+    rng_next = None  # the RNG as step `done` found it (None: the current state), so a replay draws the same dropout
     stopped = None
     bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", disable=not progress)
     try:
         for step in range(start, cfg.steps):
+            rng_next = rng_state()
             f = lr_factor(cfg, step)
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * f
@@ -232,32 +228,50 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                 raise MLPSurgeryError(f"{desc}: loss became {loss.item()} at step {step}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if clip_fn is not None:
-                metrics.setdefault("grad_norm", float(clip_fn()))
-            elif cfg.clip:
-                gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.clip)
-                metrics.setdefault("grad_norm", float(gn))
-            opt.step()
-            rec = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"],
-                   "time_s": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}}
-            history.append(rec)
+            with _deferred_interrupt():  # the update and its bookkeeping happen entirely or not at all
+                if clip_fn is not None:
+                    metrics.setdefault("grad_norm", float(clip_fn()))
+                elif cfg.clip:
+                    gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.clip)
+                    metrics.setdefault("grad_norm", float(gn))
+                opt.step()
+                rec = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"],
+                       "time_s": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}}
+                history.append(rec)
+                done, rng_next = step + 1, None
             bar.update(1)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.set_postfix(loss=f"{rec['loss']:.4g}")
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 write(step + 1, time.perf_counter() - t0)
-        step = cfg.steps
     except StopTraining as e:
         stopped = str(e) or "stopped by the loss function"
     except KeyboardInterrupt:
-        write(len(history) and history[-1]["step"], time.perf_counter() - t0)
         bar.close()
+        write(done, time.perf_counter() - t0, rng=rng_next)
         raise
     bar.close()
     seconds = time.perf_counter() - t0
     if stopped is None:
         write(cfg.steps, seconds)
     return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped)
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, so an interrupt never
+    lands between an optimizer update and the step counter that says it happened."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit = []
+    old = signal.signal(signal.SIGINT, lambda *_: hit.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if hit:
+        raise KeyboardInterrupt
 
 
 # --------------------------------------------------------------------------------------------------
