@@ -48,7 +48,7 @@ def main() -> None:
             net = StackedDLR(len(layers), model.config.hidden_size, settings["rank"], settings["depth"], settings["eps"])
             net.load_state_dict(state)
         install(model, {i: net.unstack(j) for j, i in enumerate(layers) if i not in kept})
-        ppl = perplexity(model, corpus.heldout, block_len=512, max_tokens=args.tokens, progress=False).ppl
+        ppl = perplexity(model, corpus.heldout, block_len=512, max_tokens=args.tokens, progress=False, bos_id=corpus.bos).ppl
         rows.append({"original MLP kept in layers": keep, "locked layers": len(layers) - len(kept),
                      "held-out perplexity": round(ppl, 1)})
         print(table(rows[-1:], markdown=True), flush=True)

@@ -35,9 +35,7 @@ import torch
 import mlpsurgery as ms
 from mlpsurgery.data import Document, read_labelled, tokenize_corpus
 from mlpsurgery.measure.accuracy import accuracy
-from mlpsurgery.measure.ntk import sites_parameters
-from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse, keep_pruned_zero
-from mlpsurgery.sites import find_sites, parse_layers
+from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse
 from mlpsurgery.train import FitConfig, classifier_loss, fit, trainable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,15 +67,12 @@ def one_run(args, dataset: str, method: str, width: int, seed: int, train, test)
     torch.manual_seed(seed)  # the fresh classification head
     loaded = ms.load_model("minilm", task="classifier", num_labels=train.num_classes)
     model, tok = loaded.model, loaded.tokenizer
-    layers = parse_layers("last2/3", len(find_sites(model)))
     t0 = time.perf_counter()
-    handles, rep = [], None
-    if method != "original":
+    rep = None
+    if method != "original":  # magnitude pruning's zeros stay zero through their stored masks
         base = method.removesuffix("+tune")
         tune = task_blocks(train, tok, seed=seed) if method.endswith("+tune") else None
         rep = fuse(model, FusionConfig(width=width, method=base, seed=seed), tune_data=tune, progress=False)
-        if base == "magnitude":
-            handles = keep_pruned_zero(sites_parameters(model, layers))
     compress_s = time.perf_counter() - t0
     ckpt = ROOT / "runs" / "fusion_ckpt" / f"{dataset}-{method}-{width}-{seed}"
     cfg = FitConfig(steps=args.steps, lr=args.lr, weight_decay=0.01, warmup=0.06, seed=seed, checkpoint_every=25)
@@ -85,8 +80,6 @@ def one_run(args, dataset: str, method: str, width: int, seed: int, train, test)
     res = fit(trainable(model), classifier_loss(model, tok, train, batch_size=args.batch, max_len=args.max_len,
                                                 seed=seed), cfg, checkpoint_dir=ckpt, progress=not args.quiet,
               desc=f"{dataset} {method} k={width} s={seed}")
-    for hnd in handles:
-        hnd.remove()
     model.eval()
     acc = accuracy(model, tok, test, max_len=args.max_len, progress=False)
     shutil.rmtree(ckpt, ignore_errors=True)

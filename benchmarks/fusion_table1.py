@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 import mlpsurgery as ms
-from mlpsurgery.measure.ntk import adam_ntk, mlp_ntk_error, output_error, sites_parameters
-from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse, keep_pruned_zero
+from mlpsurgery.measure.ntk import adam_ntk, mlp_ntk_error, output_error
+from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse
 from mlpsurgery.sites import parse_layers
 
 DETERMINISTIC = ("svd", "magnitude", "neuron")
@@ -62,11 +62,8 @@ def run(args) -> None:
             t0 = time.perf_counter()
             rep = fuse(model, FusionConfig(width=args.width, method=method, layers="last2/3", seed=seed), progress=True)
             fuse_s = time.perf_counter() - t0
-            handles = keep_pruned_zero(sites_parameters(model, layers)) if method == "magnitude" else []
             k = adam_ntk(model, ids[:args.n_model], layers, progress=True)
             per_mlp = mlp_ntk_error(ref, model, ids, layers=layers, progress=True, reference_cache=mlp_cache)
-            for hnd in handles:
-                hnd.remove()
             err = output_error(ref, model, ids, layers=layers)
             row = {"method": method, "seed": seed, "width": rep["width"], "layers": layers, "n": len(ids),
                    "n_model": args.n_model, "block_len": args.block_len,

@@ -86,7 +86,7 @@ def main() -> None:
     calib = corpus.blocks("train", 128, max_blocks=args.calib_blocks, seed=0)
 
     def ppl(model, tokens=args.tokens) -> dict:
-        r = ms.perplexity(model, corpus.heldout, block_len=512, max_tokens=tokens, progress=False)
+        r = ms.perplexity(model, corpus.heldout, block_len=512, max_tokens=tokens, progress=False, bos_id=corpus.bos)
         return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
                 "params": sum(p.numel() for p in model.parameters())}
 

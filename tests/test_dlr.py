@@ -277,7 +277,7 @@ def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, cap
     assert torch.isfinite(outputs(locked, ids)).all()
     # bad input: a clear error, nothing written
     assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "bad"), "--phase1-hard-fraction", "1.5"]) == 2
-    assert "phase1-hard-fraction must be in [0, 1)" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert "--phase1-hard-fraction: must be >= 0 and < 1" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     (tmp_path / "a-file").write_text("x")  # an --out that is a file: refused, untouched
     assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "a-file")]) == 2
     assert "is a file" in capsys.readouterr().err and (tmp_path / "a-file").read_text() == "x"

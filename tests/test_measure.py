@@ -34,6 +34,43 @@ def test_perplexity_equals_direct_computation():
     assert r2.tokens == 39
 
 
+@pytest.mark.parametrize("n,block,stride", [(100, 16, 14), (100, 16, 5), (10, 16, 14), (17, 18, 16), (1, 8, 6)])
+def test_with_bos_every_token_is_scored_once(n, block, stride):
+    scored = []
+    for doc, start, first, end in _windows([n], block, stride, bos=True):
+        assert end - start <= block - 1 and start <= first < end and (first > start or start == 0)
+        scored += list(range(first, end))
+    assert scored == list(range(n))
+
+
+def test_perplexity_with_bos_equals_direct_computation():
+    """BOS prepended to every window: the first token is scored with BOS as its context, the rest as usual."""
+    from mlpsurgery.data import default_bos
+    from mlpsurgery.tiny import byte_tokenizer
+
+    model, bos = tiny_model("llama"), 257
+    seq = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([torch.tensor([bos]), seq])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+    nll = -logp.gather(-1, ids[0, 1:, None]).mean().item()
+    r = perplexity(model, [seq], block_len=31, bos_id=bos, progress=False)
+    assert r.tokens == 30 and r.ppl == pytest.approx(math.exp(nll), rel=1e-5) and "257" in r.protocol["bos"]
+    assert perplexity(model, [seq], block_len=8, stride=3, bos_id=bos, progress=False).tokens == 30
+    assert default_bos(byte_tokenizer()) is None  # the byte tokenizer adds no BOS by default: none is added
+
+
+def test_perplexity_max_tokens_cuts_a_long_window_and_refuses_beyond_the_context():
+    model = tiny_model("gpt2")
+    seq = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(2))
+    assert perplexity(model, [seq], block_len=100, max_tokens=7, progress=False).tokens == 7
+    limit = model.config.n_positions
+    with pytest.raises(MLPSurgeryError, match=f"context of {limit}"):
+        perplexity(model, [seq], block_len=limit + 1, progress=False)
+    with pytest.raises(MLPSurgeryError, match="stride"):
+        perplexity(model, [seq], block_len=16, stride=0, progress=False)
+
+
 def test_perplexity_refuses_an_encoder():
     with pytest.raises(MLPSurgeryError, match="causal language model"):
         perplexity(tiny_model("bert"), [torch.arange(10)], progress=False)

@@ -8,7 +8,7 @@ import torch
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.measure.ntk import (adam_ntk, compressed_layers, mlp_ntk_error, ntk_error, output_error,
                                     scalar_output, sites_parameters)
-from mlpsurgery.methods.fusion import FusionConfig, fuse, keep_pruned_zero
+from mlpsurgery.methods.fusion import FusionConfig, fuse
 from mlpsurgery.tiny import tiny_model
 
 IDS = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(0))
@@ -73,16 +73,31 @@ def test_logit_output_of_a_classifier_and_its_errors():
         adam_ntk(model, IDS, [1], f="loss", progress=False)
 
 
-def test_masked_pruned_weights_drop_out_of_the_kernel():
+def test_pruning_masks_are_stored_with_the_model_and_respected_everywhere(tmp_path):
+    """A magnitude-pruned model carries its masks: through save / load and a deep copy, its NTK leaves the pruned
+    weights out (the same zeros without masks count them) and training keeps them exactly zero."""
+    from mlpsurgery.io import load, read_manifest, save
+    from mlpsurgery.modules.masks import masked_parameters
+    from mlpsurgery.train import FitConfig, fit, lm_loss
+
     a = tiny_model("llama")
     b = copy.deepcopy(a)
     fuse(b, FusionConfig(width=16, layers="all", method="magnitude"), progress=False)
-    free = adam_ntk(b, IDS, [0, 1], progress=False)
-    handles = keep_pruned_zero(sites_parameters(b, [0, 1]))
-    masked = adam_ntk(b, IDS, [0, 1], progress=False)
-    for hnd in handles:
-        hnd.remove()
-    assert handles and (masked.diagonal() < free.diagonal()).all()
+    names = masked_parameters(b)
+    assert len(names) == 6 and all(".mlp." in n for n in names)
+    save(b, tmp_path / "m")
+    assert read_manifest(tmp_path / "m")["masks"] == names
+    loaded = load(tmp_path / "m")
+    plain = tiny_model("llama")  # the same zeros, no masks
+    plain.load_state_dict({k: v for k, v in loaded.state_dict().items() if not k.endswith("_mask")})
+    free = adam_ntk(plain, IDS, [0, 1], progress=False)
+    masked = adam_ntk(loaded, IDS, [0, 1], progress=False)
+    assert (masked.diagonal() < free.diagonal()).all()
+    torch.testing.assert_close(adam_ntk(copy.deepcopy(loaded), IDS, [0, 1], progress=False), masked)
+    zeros = {n: p == 0 for n, p in loaded.named_parameters() if n in names}
+    fit(dict(loaded.named_parameters()), lm_loss(loaded, IDS, 2), FitConfig(steps=3, lr=1e-2, weight_decay=0.1),
+        progress=False)
+    assert all((dict(loaded.named_parameters())[n][z] == 0).all() for n, z in zeros.items())
 
 
 def test_compressed_layers_and_output_error_see_what_changed():

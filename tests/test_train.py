@@ -106,6 +106,28 @@ def test_checkpoint_for_other_settings_is_refused(tmp_path):
         fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=4), checkpoint_dir=tmp_path / "ck", progress=False)
 
 
+def test_checkpoint_of_another_model_or_learning_rate_is_refused(tmp_path):
+    net, loss_fn = problem()
+    params = dict(net.named_parameters())
+    cfg = FitConfig(steps=6, checkpoint_every=2)
+
+    def interrupted(step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return loss_fn(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(params, interrupted, cfg, checkpoint_dir=tmp_path / "ck", progress=False, settings={"model": "a"})
+    with pytest.raises(MLPSurgeryError, match="model"):
+        fit(params, loss_fn, cfg, checkpoint_dir=tmp_path / "ck", progress=False, settings={"model": "b"})
+    with pytest.raises(MLPSurgeryError, match="fit.lr"):
+        fit(params, loss_fn, FitConfig(steps=6, checkpoint_every=2, lr=0.5), checkpoint_dir=tmp_path / "ck",
+            progress=False, settings={"model": "a"})
+    r = fit(params, loss_fn, FitConfig(steps=6, checkpoint_every=3), checkpoint_dir=tmp_path / "ck", progress=False,
+            settings={"model": "a"})  # how often it checkpoints does not change the run: resumed
+    assert r.resumed_from == 3
+
+
 def test_nonfinite_loss_is_reported():
     net, _ = problem()
     with pytest.raises(MLPSurgeryError, match="learning rate"):

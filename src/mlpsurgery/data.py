@@ -46,9 +46,15 @@ def _bundled(name: str) -> str:
 
 
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        data = gzip.decompress(data)
+    if path.is_dir():
+        raise MLPSurgeryError(f"{path} is a folder; a file is expected here")
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+    except (gzip.BadGzipFile, EOFError, OSError) as e:
+        what = "not a valid gzip file" if path.suffix == ".gz" else "unreadable"
+        raise MLPSurgeryError(f"{path} is {what} ({type(e).__name__}: {e}); give an intact file") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -99,6 +105,18 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def default_bos(tokenizer) -> int | None:
+    """The BOS id when the tokenizer adds one by default (its models were trained with it), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer("a")["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode plain text adds nothing we can use
+        return None
+    return bos if len(ids) and ids[0] == bos else None
+
+
 @dataclass
 class TokenizedCorpus:
     """Token ids per document and split. `split` says how held-out text was chosen."""
@@ -110,6 +128,7 @@ class TokenizedCorpus:
     split: str
     source: str = ""
     meta: dict = field(default_factory=dict)
+    bos: int | None = None  # the tokenizer's BOS when it adds one by default: perplexity prepends it to windows
 
     def sequences(self, split: str) -> list[Tensor]:
         if split not in ("train", "heldout"):
@@ -174,7 +193,7 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
             tn.append(d.name)
             hn.append(d.name)
         split = f"last {frac:.0%} of each document's tokens held out"
-    return TokenizedCorpus(train, held, tn, hn, split, source=source or "corpus")
+    return TokenizedCorpus(train, held, tn, hn, split, source=source or "corpus", bos=default_bos(tokenizer))
 
 
 def load_corpus(path: str | Path | None, tokenizer, heldout=None) -> TokenizedCorpus:

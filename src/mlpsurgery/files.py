@@ -298,9 +298,11 @@ def sha256_file(path: str | Path) -> str:
 # Resumable folders
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, skip: Iterable[str] = ()) -> str:
     """A digest of a model's class, config and weights (per tensor: name, dtype, shape, the float64 sum and
-    sum of squares, and 64 evenly spaced values): enough to tell two models apart, in one pass over memory."""
+    sum of squares, and 64 evenly spaced values): enough to tell two models apart, in one pass over memory.
+    `skip`: tensor names whose values do not count (e.g. what a resumed run restores from its checkpoint)."""
+    skip = set(skip)
     h = hashlib.sha256(type(model).__name__.encode())
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
@@ -309,7 +311,7 @@ def model_fingerprint(model: nn.Module) -> str:
     with torch.no_grad():
         for name, t in model.state_dict().items():
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            if t.numel() == 0 or t.device.type == "meta":
+            if t.numel() == 0 or t.device.type == "meta" or name in skip:
                 continue
             flat = t.detach().reshape(-1)
             s1 = s2 = 0.0
@@ -323,20 +325,27 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def check_state(folder: str | Path, inputs: Iterable[str | Path | None] = (), what: str = "checkpoint") -> None:
+    """Refuse, before any work, a state folder (checkpoint, work folder) that mlpsurgery could not use: a file, a
+    folder holding files it did not write, or one that is, holds or lies inside an input or output."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise MLPSurgeryError(f"the {what} folder {folder} is a file; give a folder path")
+    if folder.is_dir() and any(folder.iterdir()) and not is_ours(folder):
+        raise MLPSurgeryError(f"the {what} folder {folder} holds files mlpsurgery did not write (no {MARKER} marker); "
+                              "give an empty or new folder")
+    check_apart(folder, inputs, what=f"the {what} folder")
+
+
 def claim(folder: str | Path, kind: str, settings: dict, inputs: Iterable[str | Path | None] = ()) -> bool:
     """Make `folder` the resumable state of a `kind` run with these settings (JSON-able; include a model
     fingerprint). A new or empty folder is created and marked; a folder already marked with the same kind and
     settings is resumed (True); anything else is refused with what differs."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise MLPSurgeryError(f"{folder} is a file; the {kind} state needs a folder")
-    check_apart(folder, inputs, what=f"the {kind} folder")
+    check_state(folder, inputs, what=kind)
     settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
     if folder.is_dir() and any(folder.iterdir()):
         m = marker(folder)
-        if m is None:
-            raise MLPSurgeryError(f"{folder} holds files mlpsurgery did not write (no {MARKER} marker); give an empty "
-                                  f"or new folder for the {kind} state")
         if m.get("kind") != kind:
             raise MLPSurgeryError(f"{folder} holds the state of a {m.get('kind')!r} run, not of {kind!r}; use another "
                                   "folder")

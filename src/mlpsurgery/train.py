@@ -136,6 +136,18 @@ def set_rng_state(state: dict) -> None:
 # The loop
 
 
+_NO_EFFECT = ("log_every", "checkpoint_every")  # FitConfig fields that do not change what a run computes
+
+
+def _flat_settings(d, prefix: str = "") -> dict:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat_settings(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 class StopTraining(Exception):
     """Raised by a loss_fn to end training early (e.g. an attack that diverged); fit returns what it has."""
 
@@ -157,7 +169,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         optimizer_groups: list[dict] | None = None,
         on_checkpoint: Callable[[dict], None] | None = None,
         on_resume: Callable[[dict], None] | None = None,
-        clip_fn: Callable[[], float] | None = None) -> FitResult:
+        clip_fn: Callable[[], float] | None = None, settings: dict | None = None) -> FitResult:
     """Minimise loss_fn(step) over `params` (name -> parameter) for cfg.steps steps.
 
     loss_fn(step) returns the loss (or (loss, metrics)); it must draw its batch with step_rng(seed, step)
@@ -166,7 +178,9 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     cfg.checkpoint_every steps, at the end, and on Ctrl-C; a later call with the same folder resumes.
     on_checkpoint / on_resume let the caller save and restore extra state (e.g. learned scalars).
     clip_fn replaces the global gradient-norm clip (e.g. a separate clip per independent sub-network);
-    it returns the norm it saw.
+    it returns the norm it saw. settings: what else the run depends on (a model fingerprint, the data, the
+    method's config), recorded with every checkpoint; a checkpoint made with other settings (these, or the
+    FitConfig's) is refused, never resumed.
     """
     if cfg.steps < 0:
         raise MLPSurgeryError(f"steps must be >= 0, not {cfg.steps}")
@@ -185,6 +199,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     history: list[dict] = []
     start, elapsed = 0, 0.0
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
+    identity = json.loads(json.dumps({"fit": {k: v for k, v in asdict(cfg).items() if k not in _NO_EFFECT},
+                                      **(settings or {})}, sort_keys=True, default=str))
     state = load_checkpoint(ckpt) if ckpt else None
     if state is not None:
         if state.get("names") != names:
@@ -192,6 +208,12 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         if state.get("total_steps") != cfg.steps:
             raise MLPSurgeryError(f"checkpoint {ckpt} belongs to a run of {state.get('total_steps')} steps, not "
                                   f"{cfg.steps}; resume with the same settings or delete it")
+        old = state.get("settings")
+        if old is not None and old != identity:
+            flat_old, flat_new = _flat_settings(old), _flat_settings(identity)
+            diff = sorted(k for k in set(flat_old) | set(flat_new) if flat_old.get(k) != flat_new.get(k))
+            raise MLPSurgeryError(f"checkpoint {ckpt} was made with other settings or another model "
+                                  f"({', '.join(diff[:6])}); resume with the same ones, or delete it")
         with torch.no_grad():
             for n in names:
                 params[n].copy_(state["params"][n])
@@ -209,7 +231,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             on_checkpoint(extra)
         save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
                                "params": {n: params[n].detach() for n in names}, "optimizer": opt.state_dict(),
-                               "rng": rng or rng_state(), "history": history, "config": asdict(cfg), "extra": extra})
+                               "rng": rng or rng_state(), "history": history, "config": asdict(cfg), "extra": extra,
+                               "settings": identity})
 
     t0 = time.perf_counter() - elapsed
     done = start  # steps whose update is complete: what a checkpoint written now may claim

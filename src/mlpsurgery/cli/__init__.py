@@ -26,8 +26,53 @@ GROUPS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line error every mlpsurgery refusal has (exit status 2, the problem and the fix)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+class UsageError(MLPSurgeryError):
+    """A command line argparse could not accept."""
+
+
+def _number(kind, text: str, low, high, low_open: bool, high_open: bool):
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and v != v:
+        raise argparse.ArgumentTypeError("NaN is not a value")
+    below = low is not None and (v <= low if low_open else v < low)
+    above = high is not None and (v >= high if high_open else v > high)
+    if below or above:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        raise argparse.ArgumentTypeError(f"must be {' and '.join(x for x in (lo, hi) if x)}, not {text}")
+    return v
+
+
+def integer(low: int | None = 1, high: int | None = None):
+    """argparse type: an integer in [low, high]."""
+    f = lambda text: _number(int, text, low, high, False, False)  # noqa: E731
+    f.__name__ = "integer"
+    return f
+
+
+def number(low: float | None = None, high: float | None = None, low_open: bool = True, high_open: bool = False):
+    """argparse type: a finite number in (low, high] (open/closed ends as given)."""
+    def f(text):
+        v = _number(float, text, low, high, low_open, high_open)
+        if v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be finite, not {text}")
+        return v
+    f.__name__ = "number"
+    return f
+
+
 def common() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    p = Parser(add_help=False)
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
@@ -42,16 +87,16 @@ def command(sub, name: str, run: Callable, render: Callable[[dict], str], help: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlpsurgery", description="Surgery on the MLP blocks and attention heads "
-                                     "of pretrained transformers.")
+    parser = Parser(prog="mlpsurgery", description="Surgery on the MLP blocks and attention heads "
+                    "of pretrained transformers.")
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"mlpsurgery {__version__}")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=Parser)
     groups = {}
     for name, text in GROUPS.items():
         g = sub.add_parser(name, help=text, description=text)
-        groups[name] = g.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+        groups[name] = g.add_subparsers(title="subcommands", metavar="SUBCOMMAND", parser_class=Parser)
         g.set_defaults(group_parser=g)
     for mod in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{mod}").register(sub, groups)
@@ -68,7 +113,11 @@ def device_of(args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"mlpsurgery: error: {e}", file=sys.stderr)
+        return 2
     if not hasattr(args, "run"):
         (getattr(args, "group_parser", None) or parser).print_help()
         return 0

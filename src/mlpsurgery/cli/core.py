@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, table
-from . import command, device_of
+from . import command, device_of, integer
 
 MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
 
@@ -54,13 +55,17 @@ def render_inspect(r: dict) -> str:
 
 def run_ppl(args) -> dict:
     from ..data import load_corpus
-    from ..measure.perplexity import perplexity
+    from ..measure.perplexity import default_block_len, perplexity
 
     loaded = _load(args)
     corpus = load_corpus(args.data, loaded.require_tokenizer())
+    bos = {"auto": corpus.bos, "off": None, "on": loaded.tokenizer.bos_token_id}[args.bos]
+    if args.bos == "on" and bos is None:
+        raise MLPSurgeryError("--bos on: the tokenizer has no BOS token; use --bos auto or off")
     t0 = time.perf_counter()
-    res = perplexity(loaded.model, corpus.sequences(args.split), block_len=args.block_len, stride=args.stride,
-                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=not args.quiet)
+    block = args.block_len or default_block_len(loaded.model)
+    res = perplexity(loaded.model, corpus.sequences(args.split), block_len=block, stride=args.stride,
+                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=not args.quiet, bos_id=bos)
     out = res.as_dict()
     out.update(model=loaded.source, data=corpus.source, split=args.split, split_rule=corpus.split,
                documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
@@ -82,19 +87,21 @@ def render_ppl(r: dict) -> str:
 def run_cost(args) -> dict:
     import torch
 
-    from ..io import source_of
+    from ..io import check_source, source_spec
     from ..measure.cost import compare_cost, measure_cost
     from ..models import load_model
 
     loaded = _load(args)
     model = loaded.model
-    baseline = args.baseline or source_of(model)
+    baseline = args.baseline or source_spec(model)
     vocab = getattr(model.config, "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
     kw = dict(repeats=args.repeats, memory=not args.no_memory)
     if baseline:
         base = load_model(baseline).model.to(device_of(args))
+        if not args.baseline:
+            check_source(model, base, baseline)
         res = compare_cost(base, model, batch, **kw)
         res["reference_model"] = baseline
     else:
@@ -176,7 +183,7 @@ def run_demo(args) -> dict:
     from ..data import load_corpus
     from ..io import load, save
     from ..measure.cost import inspect
-    from ..measure.perplexity import perplexity
+    from ..measure.perplexity import default_block_len, perplexity
     from ..modules.dense import DenseMLP
     from ..sites import find_sites
 
@@ -185,8 +192,9 @@ def run_demo(args) -> dict:
     model, tok = loaded.model, loaded.tokenizer
     info = inspect(model)
     corpus = load_corpus(None, tok)
-    ppl = perplexity(model, corpus.heldout, block_len=args.block_len, max_tokens=args.max_tokens or None,
-                     progress=not args.quiet)
+    ppl = perplexity(model, corpus.heldout, block_len=args.block_len or default_block_len(model),
+                     max_tokens=args.max_tokens or None,
+                     progress=not args.quiet, bos_id=corpus.bos)
     probe = corpus.blocks("heldout", 64, max_blocks=2)
     with torch.no_grad():
         before = model(input_ids=probe).logits
@@ -229,24 +237,27 @@ def register(sub, groups) -> None:
     p = command(sub, "inspect", run_inspect, render_inspect,
                 "architecture, sites, MLP inner width, and the parameter / FLOP shares of MLPs, attention, embeddings")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
-    p.add_argument("--context", type=int, default=512, help="sequence length for attention-score FLOPs (512)")
+    p.add_argument("--context", type=integer(1), default=512, help="sequence length for attention-score FLOPs (512)")
 
     p = command(groups["eval"], "ppl", run_ppl, render_ppl, "token-level perplexity on held-out (or training) text")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--data", help="text file, folder of .txt, or a bundled corpus: austen (default), r8")
     p.add_argument("--split", choices=("heldout", "train"), default="heldout")
-    p.add_argument("--block-len", type=int, default=512, help="window length in tokens (512)")
-    p.add_argument("--stride", type=int, help="window stride (default: block length - 1: windows share one token of context)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, help="score only about this many tokens (default: all)")
+    p.add_argument("--block-len", type=integer(2), help="window length in tokens (512, or the model's context if shorter)")
+    p.add_argument("--stride", type=integer(1), help="window stride (default: block length - 1: windows share one token of context)")
+    p.add_argument("--batch-size", type=integer(1), default=4)
+    p.add_argument("--max-tokens", type=integer(1), help="score at most this many tokens (default: all)")
+    p.add_argument("--bos", choices=("auto", "on", "off"), default="auto",
+                   help="prepend BOS to every window: auto (default) does what the tokenizer does by default")
 
     p = command(groups["eval"], "cost", run_cost, render_cost,
                 "wall time and peak memory of inference and of one training step; ratios against a baseline")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
-    p.add_argument("--baseline", help="reference model (default: the model a saved folder was made from)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline", help="reference model (default: the model a saved folder was made from, when that "
+                                      "is a bundled or tiny model)")
+    p.add_argument("--batch-size", type=integer(1), default=2)
+    p.add_argument("--seq-len", type=integer(1), default=128)
+    p.add_argument("--repeats", type=integer(1), default=3)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory passes")
 
     p = command(groups["eval"], "acc", run_acc, render_acc,
@@ -254,9 +265,9 @@ def register(sub, groups) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--train", default="r8-train", help="labelled training set (.tab/.csv/.jsonl or r8-train)")
     p.add_argument("--test", default="r8-test", help="labelled test set (.tab/.csv/.jsonl or r8-test)")
-    p.add_argument("--max-train", type=int, default=2000)
-    p.add_argument("--max-test", type=int, default=1000)
-    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--max-train", type=integer(1), default=2000)
+    p.add_argument("--max-test", type=integer(1), default=1000)
+    p.add_argument("--max-len", type=integer(2), default=128)
 
     p = command(sub, "export", run_export, lambda r: f"wrote {r['exported']} (loads with transformers' from_pretrained)",
                 "write a plain transformers folder, where the structure allows")
@@ -270,5 +281,5 @@ def register(sub, groups) -> None:
     p = command(sub, "demo", run_demo, render_demo,
                 "the main job on the bundled default: inspect SmolLM2, held-out perplexity, exact surgery round trip")
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--block-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens to score (8192; 0 = all)")
+    p.add_argument("--block-len", type=integer(2), help="window length (512, or the model's context if shorter)")
+    p.add_argument("--max-tokens", type=integer(0), default=8192, help="held-out tokens to score (8192; 0 = all)")

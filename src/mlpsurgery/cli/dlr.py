@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 from ..report import table
-from . import command, device_of
+from . import command, device_of, integer, number
 from .core import MODEL_HELP
 
 
 def run_lock(args) -> dict:
     from ..data import load_corpus
     from ..io import check_out, save
-    from ..measure.perplexity import is_causal_lm, perplexity
+    from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
     from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
     from ..models import load_model
 
@@ -48,11 +48,13 @@ def run_lock(args) -> dict:
     def measure(stage: str):
         if not (causal and args.eval_tokens):
             return
-        row = {"heldout": perplexity(model, corpus.heldout, block_len=512, max_tokens=args.eval_tokens,
-                                     progress=not args.quiet).ppl}
+        block = default_block_len(model)
+        row = {"heldout": perplexity(model, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
+                                     progress=not args.quiet, bos_id=corpus.bos).ppl}
         if second is not None:
-            row["second_corpus"] = perplexity(model, second.train + second.heldout, block_len=512,
-                                              max_tokens=args.eval_tokens, progress=not args.quiet).ppl
+            row["second_corpus"] = perplexity(model, second.train + second.heldout, block_len=block,
+                                              max_tokens=args.eval_tokens, progress=not args.quiet,
+                                              bos_id=second.bos).ppl
         evals[stage] = row
 
     measure("original")
@@ -93,15 +95,17 @@ def render_lock(r: dict) -> str:
 def run_attack(args) -> dict:
     from ..data import load_corpus
     from ..errors import MLPSurgeryError
-    from ..io import source_of
+    from ..io import check_source, source_spec
     from ..methods.dlr_lock import AttackSuiteConfig, attack_suite, attack_table, plot_attack_suite
     from ..models import load_model
 
     locked = load_model(args.locked)
-    original_spec = args.original or source_of(locked.model)
+    original_spec = args.original or source_spec(locked.model)
     if not original_spec:
-        raise MLPSurgeryError("the locked folder does not name its original model; pass --original MODEL")
+        raise MLPSurgeryError("the locked folder names its original model only by name and fingerprint; pass "
+                              "--original MODEL (it is checked against the fingerprint)")
     original = load_model(original_spec)
+    check_source(locked.model, original.model, original_spec)
     dev = device_of(args)
     locked.model.to(dev)
     original.model.to(dev)
@@ -141,38 +145,38 @@ def register(sub, groups) -> None:
                 "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="folder for the locked model (mlpsurgery format)")
-    p.add_argument("--rank", type=int, help="bottleneck rank r of each block (64 unless --depth is given)")
-    p.add_argument("--depth", type=int, help="blocks per DLR-Net (default: match the MLP's parameter count)")
+    p.add_argument("--rank", type=integer(1), help="bottleneck rank r of each block (64 unless --depth is given)")
+    p.add_argument("--depth", type=integer(1), help="blocks per DLR-Net (default: match the MLP's parameter count)")
     p.add_argument("--layers", default="all", help="layers to lock: all, 8-11, 0,3,5 (default all)")
     p.add_argument("--data", help="calibration / distillation text: file, folder, austen (default), r8")
-    p.add_argument("--block-len", type=int, default=256)
-    p.add_argument("--calib-blocks", type=int, default=256, help="blocks captured for phase 1 (256)")
-    p.add_argument("--phase1-steps", type=int, default=2000)
-    p.add_argument("--phase1-lr", type=float, default=DLRConfig.phase1_lr)
-    p.add_argument("--phase1-tokens", type=int, default=512, help="tokens per layer per phase-1 step")
+    p.add_argument("--block-len", type=integer(2), default=256)
+    p.add_argument("--calib-blocks", type=integer(2), default=256, help="blocks captured for phase 1 (256)")
+    p.add_argument("--phase1-steps", type=integer(0), default=2000)
+    p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr)
+    p.add_argument("--phase1-tokens", type=integer(1), default=512, help="tokens per layer per phase-1 step")
     p.add_argument("--phase1-loss", default=DLRConfig.phase1_loss, choices=list(PHASE1_LOSSES),
                    help="token (default): each token's own relative error, so the tokens outside the attention sink count "
                         "in the layers the sink dominates; relative: the paper's relative MSE over all tokens "
                         "(docs/dlr-lock.md)")
-    p.add_argument("--phase1-hard-fraction", type=float, default=DLRConfig.phase1_hard_fraction,
+    p.add_argument("--phase1-hard-fraction", type=number(0, 1, low_open=False, high_open=True), default=DLRConfig.phase1_hard_fraction,
                    help="share of each phase-1 batch drawn in proportion to the token's update norm "
                         f"(default {DLRConfig.phase1_hard_fraction}; 0: uniform, the paper's)")
     p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
-    p.add_argument("--phase2-steps", type=int, default=200)
-    p.add_argument("--phase2-lr", type=float, default=1e-4)
-    p.add_argument("--phase2-batch", type=int, default=4)
-    p.add_argument("--phase2-blocks", type=int, default=256, help="teacher-labelled blocks for phase 2 (256)")
-    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--phase2-steps", type=integer(0), default=200)
+    p.add_argument("--phase2-lr", type=number(0), default=1e-4)
+    p.add_argument("--phase2-batch", type=integer(1), default=4)
+    p.add_argument("--phase2-blocks", type=integer(1), default=256, help="teacher-labelled blocks for phase 2 (256)")
+    p.add_argument("--top-k", type=integer(1), default=32)
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
-    p.add_argument("--memory-gb", type=float, default=8.0,
+    p.add_argument("--memory-gb", type=number(0), default=8.0,
                    help="hold captured activations in RAM up to this size, else stream them from disk (8)")
-    p.add_argument("--eval-tokens", type=int, default=8192,
+    p.add_argument("--eval-tokens", type=integer(0), default=8192,
                    help="held-out tokens scored after each stage (0: no evaluation)")
     p.add_argument("--second-corpus", default="r8", help="a second, different corpus to score (default: r8 news)")
     p.add_argument("--workdir", help="resumable intermediate state (default: OUT.work, removed on success)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
 
     p = command(groups["attack"], "dlr", run_attack, render_attack,
                 "the adaptive attacker: fine-tuning (3 LRs), checkpointing, LoRA, frozen DLR, reverse distillation")
@@ -182,12 +186,12 @@ def register(sub, groups) -> None:
     p.add_argument("--data", help="the attacker's fine-tuning text (default: bundled Austen)")
     p.add_argument("--attacks", default="finetune,checkpointing,lora,frozen,reverse")
     p.add_argument("--lrs", default="1e-5,1e-4,1e-3", help="plain fine-tuning learning rates")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--block-len", type=int, default=128)
-    p.add_argument("--train-blocks", type=int, default=512)
-    p.add_argument("--eval-blocks", type=int, default=16)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--reverse-layers", type=int, default=2)
-    p.add_argument("--reverse-steps", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=integer(1), default=40)
+    p.add_argument("--batch", type=integer(1), default=4)
+    p.add_argument("--block-len", type=integer(2), default=128)
+    p.add_argument("--train-blocks", type=integer(1), default=512)
+    p.add_argument("--eval-blocks", type=integer(1), default=16)
+    p.add_argument("--lora-rank", type=integer(1), default=8)
+    p.add_argument("--reverse-layers", type=integer(0), default=2)
+    p.add_argument("--reverse-steps", type=integer(1), default=200)
+    p.add_argument("--seed", type=integer(0), default=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from ..report import human_count, table
-from . import command, device_of
+from . import command, device_of, integer, number
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -133,23 +133,23 @@ def register(sub, groups) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="output folder (mlpsurgery save format; `mlpsurgery export` after "
                    "fine-tuning folds P into a plain transformers model)")
-    p.add_argument("--width", type=int, help="new MLP inner width k (default: a quarter of h)")
+    p.add_argument("--width", type=integer(1), help="new MLP inner width k (default: a quarter of h)")
     p.add_argument("--method", choices=METHODS, default="fusion", help=METHOD_HELP)
     p.add_argument("--layers", default="last2/3", help="layers to compress: all, 8-11, 0,3,5 or last2/3 (default)")
     p.add_argument("--tune-data", help="task text for layer-wise tuning (file, folder of .txt, austen, r8); omit for "
                    "the one-shot, data-free compression")
-    p.add_argument("--tune-blocks", type=int, default=64, help="token blocks of tune data to use (64)")
-    p.add_argument("--tune-steps", type=int, help="tuning steps (default: one epoch over the tune tokens)")
-    p.add_argument("--tune-lr", type=float, default=1e-3)
-    p.add_argument("--block-len", type=int, default=128, help="tokens per tune block (128)")
+    p.add_argument("--tune-blocks", type=integer(1), default=64, help="token blocks of tune data to use (64)")
+    p.add_argument("--tune-steps", type=integer(0), help="tuning steps (default: one epoch over the tune tokens)")
+    p.add_argument("--tune-lr", type=number(0), default=1e-3)
+    p.add_argument("--block-len", type=integer(2), default=128, help="tokens per tune block (128)")
     p.add_argument("--importance", choices=("weight", "activation"), default="weight",
                    help="neuron-pruning score (activation needs --tune-data)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-init", type=int, default=3, help="k-means restarts (3)")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--n-init", type=integer(1), default=3, help="k-means restarts (3)")
     p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
                    help="model head to load (classifier: a sequence-classification head, give --num-labels)")
-    p.add_argument("--num-labels", type=int)
+    p.add_argument("--num-labels", type=integer(2))
     p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
     p.add_argument("--overwrite", action="store_true")
 
@@ -159,8 +159,8 @@ def register(sub, groups) -> None:
     p.add_argument("model_b", help="the compressed model (e.g. a folder written by `mlpsurgery fuse`)")
     p.add_argument("--data", required=True, help="text (file, folder, austen, r8; held-out split) or, with --f logit, "
                    "a labelled set (.tab/.csv/.jsonl, r8-test)")
-    p.add_argument("--n", type=int, default=32, help="samples (32); the kernel is n x n")
-    p.add_argument("--block-len", type=int, default=128, help="tokens per sample (128)")
+    p.add_argument("--n", type=integer(2), default=32, help="samples (32); the kernel is n x n")
+    p.add_argument("--block-len", type=integer(2), default=128, help="tokens per sample (128)")
     p.add_argument("--layers", help="MLPs whose parameters form θ (default: the layers where the models differ)")
     p.add_argument("--f", choices=("projection", "logit"), default="projection",
                    help="scalar output: projection (random projection of the mean final hidden state) or logit "
@@ -169,4 +169,4 @@ def register(sub, groups) -> None:
                    help="model: f of the whole model, θ = the MLPs of the layers; mlp: each MLP on its own (f = a "
                    "projection of its output on the original inputs, the paper's Table 1); both")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"))
-    p.add_argument("--seed", type=int, default=0, help="sample choice and the projection vector")
+    p.add_argument("--seed", type=integer(0), default=0, help="sample choice and the projection vector")

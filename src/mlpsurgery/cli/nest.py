@@ -18,7 +18,7 @@ import argparse
 
 from ..errors import MLPSurgeryError
 from ..report import human_count, table
-from . import command, device_of
+from . import command, device_of, integer, number
 from .core import MODEL_HELP
 
 ACTIONS = ("rank", "sweep")
@@ -67,7 +67,7 @@ def run_nest(args) -> dict:
             return {"action": "rank", **out}
         _check_options(args, parser, "sweep", SWEEP_OPTS)
         out = nsn.sweep_folder(folder, data=args.data, ranks=_ranks(args.ranks), max_tokens=args.max_tokens,
-                               block_len=args.block_len or 256, max_examples=args.max_examples, max_len=args.max_len,
+                               block_len=args.block_len, max_examples=args.max_examples, max_len=args.max_len,
                                plot=args.plot or f"{folder.rstrip('/')}-sweep.png", device=device_of(args),
                                progress=not args.quiet)
         return {"action": "sweep", **out}
@@ -133,42 +133,42 @@ def register(sub, groups) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
 
     g = p.add_argument_group("nest [MODEL]")
-    g.add_argument("--max-rank", type=int, help="components kept per projection (default min(in, out): exact)")
+    g.add_argument("--max-rank", type=integer(1), help="components kept per projection (default min(in, out): exact)")
     g.add_argument("--modules", choices=("mlp", "mlp+attn"), default="mlp", help="what to nest (mlp)")
     g.add_argument("--layers", default="all", help="layers to nest: all, 0-5, last2/3 ... (all)")
     g.add_argument("--data", help="training data: a corpus (file, folder, austen: language modelling) or a labelled "
                                   "set (r8-train, .tab/.csv/.jsonl: classification with a new head). Default austen "
                                   "for causal LMs, r8-train for encoders. For `sweep`: evaluation data (default: the "
                                   "held-out split of austen, or r8-test)")
-    g.add_argument("--train-steps", type=int, default=0, help="multi-rank training steps (0: SVD init only)")
+    g.add_argument("--train-steps", type=integer(0), default=0, help="multi-rank training steps (0: SVD init only)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
-    g.add_argument("--n-ranks", type=int, default=6, help="size of the default training rank set (6)")
+    g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")
     g.add_argument("--objective", choices=("uncertainty", "two_ce", "anchor"), default="uncertainty")
     g.add_argument("--sampling", choices=("curriculum", "uniform"), default="curriculum")
-    g.add_argument("--curriculum-end", type=float, default=0.5,
+    g.add_argument("--curriculum-end", type=number(0, 1, low_open=False), default=0.5,
                    help="fraction of training after which every variant rank can be drawn (0.5)")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--log-var-lr", type=float, default=1e-2, help="learning rate of the log-variances (1e-2)")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--block-len", type=int, help="tokens per LM training block (128); for `sweep` the perplexity "
+    g.add_argument("--lr", type=number(0), default=1e-4)
+    g.add_argument("--log-var-lr", type=number(0), default=1e-2, help="learning rate of the log-variances (1e-2)")
+    g.add_argument("--batch-size", type=integer(1), default=8)
+    g.add_argument("--block-len", type=integer(2), help="tokens per LM training block (128); for `sweep` the perplexity "
                                                  "window (256)")
-    g.add_argument("--max-len", type=int, default=128, help="truncation of classification texts (128)")
+    g.add_argument("--max-len", type=integer(2), default=128, help="truncation of classification texts (128)")
     g.add_argument("--train", choices=("nested", "all"), default="nested",
                    help="nested: only the nested factors (+ a new classification head); all: every parameter")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=integer(0), default=0)
     g.add_argument("--checkpoint", help="training checkpoint folder (default DIR.ckpt beside --out; removed after "
                                         "the save; rerun the same command to resume)")
 
     g = p.add_argument_group("nest rank DIR")
-    g.add_argument("--rank", type=int, help="the rank to fix (each projection capped at its max rank)")
-    g.add_argument("--budget", type=float, help="a FLOPs budget as a fraction of the dense FLOPs of the nested "
+    g.add_argument("--rank", type=integer(1), help="the rank to fix (each projection capped at its max rank)")
+    g.add_argument("--budget", type=number(0, 1), help="a FLOPs budget as a fraction of the dense FLOPs of the nested "
                                                 "projections: the largest rank that fits (e.g. 0.5)")
     g.add_argument("--form", choices=("lowrank", "dense", "nested"), default="lowrank",
                    help="lowrank: truncated factors (smaller, faster; mlpsurgery.load); dense: folded into the "
                         "original shapes (plain transformers); nested: all components, this rank as default")
 
     g = p.add_argument_group("nest sweep DIR")
-    g.add_argument("--max-tokens", type=int, default=8192, help="held-out tokens scored per rank (LM; 8192)")
-    g.add_argument("--max-examples", type=int, default=1000, help="test examples per rank (classifier; 1000)")
+    g.add_argument("--max-tokens", type=integer(1), default=8192, help="held-out tokens scored per rank (LM; 8192)")
+    g.add_argument("--max-examples", type=integer(1), default=1000, help="test examples per rank (classifier; 1000)")
     g.add_argument("--plot", help="where the plot goes (default DIR-sweep.png)")

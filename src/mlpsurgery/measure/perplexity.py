@@ -8,7 +8,11 @@ Protocol (the `protocol` dict of every result spells it out):
   window is pulled back to end at the document's end so that no tail is skipped;
 - every token of a document except its first is scored exactly once, in the first window that holds
   it with at least one token of context before it;
-- no BOS token is added; perplexity = exp(sum of NLL / number of scored tokens), natural log.
+- BOS follows the tokenizer's own default (`bos_id` given: the tokenizer adds one, so the model was trained
+  with it): then every window starts with BOS, takes block_len - 1 text tokens, and a document's first token
+  is scored too (with BOS as its context); without BOS it never is;
+- perplexity = exp(sum of NLL / number of scored tokens), natural log; `max_tokens` cuts the last window so
+  that no more than that many tokens are scored.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..errors import MLPSurgeryError
+from ..models import check_context, context_length
 
 
 @dataclass
@@ -34,23 +39,31 @@ class Perplexity:
         return asdict(self)
 
 
-def _windows(lengths: list[int], block_len: int, stride: int) -> list[tuple[int, int, int, int]]:
-    """(doc, start, first scored position, end) for every window, positions absolute in the document."""
+def _windows(lengths: list[int], block_len: int, stride: int, bos: bool = False) -> list[tuple[int, int, int, int]]:
+    """(doc, start, first scored position, end) for every window, positions absolute in the document. With BOS
+    a window holds block_len - 1 text tokens and position 0 is scored (BOS is its context)."""
+    span = block_len - 1 if bos else block_len
     out = []
     for doc, n in enumerate(lengths):
-        if n < 2:
+        if n < (1 if bos else 2):
             continue
-        scored_to = 1  # everything before this position is scored (position 0 never is)
+        scored_to = 0 if bos else 1  # everything before this position is scored
         start = 0
         while scored_to < n:
-            start = min(start, max(0, n - block_len))
-            end = min(start + block_len, n)
-            first = max(scored_to, start + 1)
+            start = min(start, max(0, n - span))
+            end = min(start + span, n)
+            first = max(scored_to, start + (0 if bos and start == 0 else 1))
             if first < end:
                 out.append((doc, start, first, end))
             scored_to = end
             start += stride
     return out
+
+
+def default_block_len(model: nn.Module, want: int = 512) -> int:
+    """A default window length: `want`, or the model's whole context when that is shorter."""
+    limit = context_length(model)
+    return min(want, limit) if limit else want
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -61,25 +74,33 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: int = 512, stride: int | None = None,
                batch_size: int = 4, max_tokens: int | None = None, progress: bool = True,
-               device: torch.device | str | None = None) -> Perplexity:
-    """Perplexity of a causal LM on token sequences (a list of 1-D tensors, or an (N, T) tensor of blocks)."""
+               device: torch.device | str | None = None, bos_id: int | None = None) -> Perplexity:
+    """Perplexity of a causal LM on token sequences (a list of 1-D tensors, or an (N, T) tensor of blocks).
+    bos_id: prepend this BOS to every window (`corpus.bos` follows the tokenizer's default: data.default_bos)."""
     if not is_causal_lm(model):
         raise MLPSurgeryError(f"perplexity needs a causal language model; {type(model).__name__} is not one "
                               "(for encoders use `mlpsurgery eval acc`)")
-    if block_len < 2:
-        raise MLPSurgeryError(f"block length must be at least 2 tokens, not {block_len}")
-    stride = stride or block_len - 1
-    if not 0 < stride < block_len:
-        raise MLPSurgeryError(f"stride must be in 1..block_len-1 ({block_len - 1}), not {stride}")
+    bos = bos_id is not None
+    if block_len < (3 if bos else 2):
+        raise MLPSurgeryError(f"block length must be at least {3 if bos else 2} tokens, not {block_len}")
+    check_context(model, block_len)
+    span = block_len - 1 if bos else block_len
+    if stride is None:
+        stride = span - 1 if span > 1 else 1
+    if not 0 < stride < span:
+        raise MLPSurgeryError(f"stride must be in 1..{span - 1} (the window's text tokens minus one), not {stride}")
+    if max_tokens is not None and max_tokens < 1:
+        raise MLPSurgeryError(f"max tokens must be at least 1, not {max_tokens}")
     seqs = list(sequences) if isinstance(sequences, (list, tuple)) else list(sequences.unbind(0))
-    wins = _windows([len(s) for s in seqs], block_len, stride)
+    wins = _windows([len(s) for s in seqs], block_len, stride, bos)
     if max_tokens is not None:
         kept, total = [], 0
-        for w in wins:
+        for doc, start, first, end in wins:
             if total >= max_tokens:
                 break
-            kept.append(w)
-            total += w[3] - w[2]
+            end = min(end, first + max_tokens - total)  # cut the last window: at most max_tokens are scored
+            kept.append((doc, start, first, end))
+            total += end - first
         wins = kept
     if not wins:
         raise MLPSurgeryError("no tokens to score: every sequence is shorter than 2 tokens")
@@ -93,18 +114,23 @@ def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: in
     was_training = model.training
     model.eval()
     with torch.no_grad():
+        o = 1 if bos else 0  # where document position `start` sits in the model's input
         for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
-            ids = torch.stack([seqs[doc][start:end] for doc, start, _, end in group]).to(device)
+            rows = [seqs[doc][start:end] for doc, start, _, end in group]
+            if bos:
+                rows = [torch.cat([torch.tensor([bos_id], dtype=r.dtype), r]) for r in rows]
+            ids = torch.stack(rows).to(device)
             logits = model(input_ids=ids).logits.float()  # (B, T, V)
             logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1): nll of token t+1
+            nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1): nll of input token t+1
             for b, (doc, start, first, end) in enumerate(group):
-                nll_sum += nll[b, first - start - 1:end - start - 1].double().sum().item()
+                nll_sum += nll[b, first - start + o - 1:end - start + o - 1].double().sum().item()
                 count += end - first
     model.train(was_training)
     mean = nll_sum / count
     protocol = {"block_len": block_len, "stride": stride, "documents": len(seqs), "windows": len(wins),
                 "scored": "each token once, in the first window giving it >= 1 token of context; a document's "
-                          "first token never",
-                "bos": "not added", "log": "natural", "max_tokens": max_tokens}
+                          + ("first token with BOS as its context" if bos else "first token never"),
+                "bos": f"id {bos_id} prepended to every window" if bos else "not added",
+                "log": "natural", "max_tokens": max_tokens}
     return Perplexity(ppl=math.exp(mean), nll=mean, tokens=count, protocol=protocol)

@@ -338,17 +338,6 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
 # The whole model
 
 
-def keep_pruned_zero(params) -> list:
-    """Make zeroed weights stay zero under training (their gradient is masked): how an unstructured-pruned
-    model is fine-tuned. Returns the hook handles (remove them to lift the masks)."""
-    handles = []
-    for p in params:
-        if p.dim() == 2 and (p == 0).any():
-            mask = (p != 0).to(p.dtype)
-            handles.append(p.register_hook(lambda g, m=mask: g * m))
-    return handles
-
-
 def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
     """name -> parameter of the MLPs at `layers` (whatever module now computes them)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -367,8 +356,7 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     steps = cfg.tune_steps if cfg.tune_steps is not None else math.ceil(n / batch)
     perm = torch.randperm(n, generator=step_rng(cfg.seed, 0, stream=7))
     device = next(model.parameters()).device
-    params = site_params(model, layers)
-    handles = keep_pruned_zero(params.values())
+    params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
     frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
     for p in frozen:
         p.requires_grad_(False)
@@ -400,8 +388,6 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
         model.train(was)
         for p in frozen:
             p.requires_grad_(True)
-        for hnd in handles:
-            hnd.remove()
     with torch.no_grad():
         after = float(layer_mse(probe))
     return {"steps": steps, "tokens": n, "batch_rows": batch, "mse_before": before, "mse_after": after,

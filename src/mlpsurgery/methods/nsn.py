@@ -368,11 +368,14 @@ class TrainResult:
 
 def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrainConfig | None = None,
               checkpoint_dir: str | Path | None = None, params: dict[str, nn.Parameter] | None = None,
-              progress: bool = True, desc: str = "nsn") -> TrainResult:
+              progress: bool = True, desc: str = "nsn", settings: dict | None = None) -> TrainResult:
     """Train a nested model with the multi-rank objective. task_loss(step) computes the task loss (LM or
     classification, e.g. mlpsurgery.train.lm_loss / classifier_loss) of the step's batch at the model's
     current rank. Leaves the model at the anchor rank. Checkpoints (factors, log-variances, optimizer,
-    RNG) go to checkpoint_dir; a rerun with the same folder resumes."""
+    RNG) go to checkpoint_dir; a rerun with the same folder resumes, one made from another model or with other
+    settings (the NSN config, the model's fingerprint, and the caller's `settings`: its data) is refused."""
+    from ..files import model_fingerprint
+
     cfg = cfg or NSNTrainConfig()
     top = max_rank(model)
     ranks = sorted(set(cfg.ranks)) if cfg.ranks else rank_ladder(top, cfg.n_ranks)
@@ -389,8 +392,12 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
         params["nsn.log_var"] = objective.log_var
         groups = [{"params": ["nsn.log_var"], "lr": cfg.log_var_lr, "weight_decay": 0.0}]
     model.train()
+    identity = None
+    if checkpoint_dir is not None:
+        identity = {"model": model_fingerprint(model, skip=params), "nsn": {k: v for k, v in asdict(cfg).items() if k != "fit"},
+                    "ranks": ranks, **(settings or {})}
     res = fit(params, objective.loss_fn(model, task_loss), cfg.fit, checkpoint_dir=checkpoint_dir, progress=progress,
-              desc=desc, optimizer_groups=groups)
+              desc=desc, optimizer_groups=groups, settings=identity)
     model.eval()
     set_rank(model, objective.anchor)
     log_var = objective.log_variances() if cfg.objective == "uncertainty" else {}
@@ -663,9 +670,14 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     from ..models import load_model
     from ..train import classifier_loss, lm_loss
 
+    from ..files import check_state, remove_ours
+
     out = Path(out)
-    check_out(out, overwrite)  # before hours of training
     steps = train.fit.steps if train else 0
+    ckpt = Path(checkpoint_dir) if checkpoint_dir else out.with_name(out.name + ".ckpt")
+    check_out(out, overwrite, inputs=[model_spec, data, ckpt if steps > 0 else None])  # before hours of training
+    if steps > 0:
+        check_state(ckpt, inputs=[model_spec, data, out])
     probe = load_model(model_spec)
     if not _is_classifier(probe.model) and any(a.endswith("ForSequenceClassification")
                                           for a in getattr(probe.model.config, "architectures", None) or []):
@@ -695,22 +707,23 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
             task = classifier_loss(model, tok, labelled, batch_size, max_len=max_len, seed=train.fit.seed)
             result["data"] = {"labelled": data or "r8-train", "examples": len(labelled), "classes": labelled.classes}
         else:
+            from ..models import check_context
+
+            check_context(model, block_len)
             corpus = load_corpus(data, tok)
             blocks = corpus.blocks("train", block_len)
             task = lm_loss(model, blocks, batch_size, seed=train.fit.seed)
             result["data"] = {"corpus": corpus.source, "train_blocks": len(blocks), "block_len": block_len,
                               "split": corpus.split}
-        ckpt = Path(checkpoint_dir) if checkpoint_dir else out.with_name(out.name + ".ckpt")
-        res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress)
+        res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
+                        settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len})
         result["train"] = {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "steps": res.steps,
                            "resumed_from": res.resumed_from, "seconds": res.seconds,
                            "final_loss": res.history[-1]["loss"] if res.history else None,
                            "objective": train.objective, "sampling": train.sampling}
-    save(model.cpu(), out, tokenizer=tok, overwrite=overwrite)
+    save(model.cpu(), out, tokenizer=tok, overwrite=overwrite, inputs=[model_spec, data])
     if steps > 0:
-        import shutil
-
-        shutil.rmtree(ckpt, ignore_errors=True)
+        remove_ours(ckpt)
     return result
 
 
@@ -723,6 +736,7 @@ def export_rank(folder: str | Path, out: str | Path, rank: int | None = None, bu
     from ..measure.cost import count_params
     from ..models import load_model
 
+    check_out(out, overwrite, inputs=[folder])
     if (rank is None) == (budget is None):
         raise MLPSurgeryError("give exactly one of --rank and --budget")
     if form not in ("lowrank", "dense", "nested"):
@@ -742,19 +756,21 @@ def export_rank(folder: str | Path, out: str | Path, rank: int | None = None, bu
     if form == "dense":
         export(model, out, tokenizer=loaded.tokenizer, overwrite=overwrite)
     else:
-        save(model, out, tokenizer=loaded.tokenizer, overwrite=overwrite)
+        save(model, out, tokenizer=loaded.tokenizer, overwrite=overwrite, inputs=[folder])
     return {"from": str(folder), "out": str(out), "form": form, "rank": chosen["rank"], "budget": budget,
             "flops_fraction": chosen["fraction"], "params_before": before, "params_after": count_params(model)["total"],
             "loads_with": "transformers from_pretrained" if form == "dense" else "mlpsurgery.load"}
 
 
 def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[int] | None = None,
-                 max_tokens: int = 8192, block_len: int = 256, max_examples: int | None = 1000, max_len: int = 128,
+                 max_tokens: int = 8192, block_len: int | None = None, max_examples: int | None = 1000,
+                 max_len: int = 128,
                  plot: str | Path | None = None, device: str = "cpu", progress: bool = True) -> dict:
     """Metric at every rank of a nested model folder: accuracy and loss of a classifier on labelled data
-    (default r8-test), perplexity of a causal LM on held-out text (default the bundled Austen split)."""
+    (default r8-test), perplexity of a causal LM on held-out text (default the bundled Austen split; windows of
+    `block_len`, default 256 or the model's context if shorter)."""
     from ..data import load_corpus, read_labelled
-    from ..measure.perplexity import perplexity
+    from ..measure.perplexity import default_block_len, perplexity
     from ..models import load_model
 
     loaded = load_model(folder)
@@ -776,9 +792,11 @@ def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[in
             raise MLPSurgeryError(f"{folder} is a language model: sweep it on text (--data FILE|FOLDER|austen), "
                                   "not on a labelled set")
         corpus = load_corpus(data, tok)
+        block_len = block_len or default_block_len(model, 256)
 
         def evaluate() -> dict:
-            p = perplexity(model, corpus.heldout, block_len=block_len, max_tokens=max_tokens, progress=False)
+            p = perplexity(model, corpus.heldout, block_len=block_len, max_tokens=max_tokens, progress=False,
+                           bos_id=corpus.bos)
             return {"ppl": p.ppl, "loss": p.nll, "tokens": p.tokens}
 
         metric, what = "ppl", {"corpus": corpus.source, "split": corpus.split, "max_tokens": max_tokens}

@@ -1,8 +1,9 @@
 """Pruning baselines on the MLP and attention weights of any supported model, reachable by every method
 that compares against pruning at equal sparsity.
 
-Unstructured (weights zeroed in place; sparsity counts only the chosen parameter types: the weight
-matrices of the MLPs `ffn`, of the attention projections `attn`, or both):
+Unstructured (weights zeroed in place, and masked so that later training keeps them at zero:
+modules/masks.py; sparsity counts only the chosen parameter types: the weight matrices of the MLPs `ffn`,
+of the attention projections `attn`, or both):
 - `magnitude` zeroes the smallest |w| of each weight matrix (layer-wise, the usual LLM-pruning baseline)
   or across all chosen matrices at once (global);
 - `wanda` (Sun et al. 2023) scores |w| x the input's norm, per output row;
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..errors import MLPSurgeryError
 from ..io import record
+from ..modules.masks import install_mask
 from ..sites import find_sites, linear_weight
 
 PARTS = ("attn", "ffn", "both")
@@ -67,10 +69,15 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
                 if k > 0:
                     idx = w.detach().abs().flatten().argsort()[:k]
                     w.view(-1)[idx] = 0
-    total = sum(w.numel() for w in weights.values())
-    zeros = sum(int((w == 0).sum()) for w in weights.values())
-    return {"method": "magnitude", "parts": parts, "scope": scope, "sparsity": zeros / max(total, 1),
-            "pruned_params": zeros, "considered_params": total}
+    if sparsity > 0:
+        _mask(model, weights)
+    return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope}
+
+
+def _mask(model: nn.Module, weights: dict[str, nn.Parameter]) -> None:
+    """Store the zeros just made as masks, so every later training or NTK run keeps them."""
+    for name in weights:
+        install_mask(model, name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,6 +233,9 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
                     W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s).to(W.dtype))
                 else:
                     W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
+    for part in ("attn", "ffn"):
+        if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
+            _mask(model, prunable_weights(model, part, layers))
     return {**_report(model, method, parts, layers, sparsity), "sequential": moments is None}
 
 
