@@ -98,6 +98,30 @@ def test_topk_kl():
     torch.testing.assert_close(topk_kl(student, idx, val), full, rtol=1e-4, atol=1e-6)
 
 
+def test_topk_kl_keeps_a_tiny_tail_in_float32():
+    """A teacher whose top-k holds all but ~1e-7 of the mass: 1 - sum p cancels in float32; the log-space tail
+    gives the float64 loss and the tail logits' gradient."""
+    from mlpsurgery.methods.dlr_lock import _rest_logsumexp
+
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.cat([torch.full((1, 4, 8), 18.0), torch.zeros(1, 4, 40)], -1) + torch.randn(1, 4, 48, generator=g)
+    student = (teacher + 0.5 * torch.randn(1, 4, 48, generator=g)).double().requires_grad_()
+    logp = torch.log_softmax(teacher.double(), -1)
+    val, idx = logp.topk(8, -1)
+    logq = torch.log_softmax(student, -1)
+    p_tail, q_tail = _rest_logsumexp(logp, idx), _rest_logsumexp(logq, idx)
+    ref = ((val.exp() * (val - logq.gather(-1, idx))).sum(-1) + p_tail.exp() * (p_tail - q_tail)).mean()
+    (g_ref,) = torch.autograd.grad(ref, student)
+    s32 = student.detach().float().requires_grad_()
+    logp32 = torch.log_softmax(teacher, -1)
+    val32, idx32 = logp32.topk(8, -1)
+    loss = topk_kl(s32, idx32, val32, _rest_logsumexp(logp32, idx32))
+    (g32,) = torch.autograd.grad(loss, s32)
+    assert 1e-8 < p_tail.exp().max() < 1e-5
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-6, atol=0)
+    torch.testing.assert_close(g32[..., 8:].double(), g_ref[..., 8:], rtol=1e-3, atol=1e-12)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_phase1_lowers_relative_error_and_lock_saves_and_reloads(arch, tmp_path, ids):
     model = tiny_model(arch)
@@ -281,3 +305,16 @@ def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, cap
     (tmp_path / "a-file").write_text("x")  # an --out that is a file: refused, untouched
     assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "a-file")]) == 2
     assert "is a file" in capsys.readouterr().err and (tmp_path / "a-file").read_text() == "x"
+
+
+def test_phase1_held_out_chunks_are_never_trained_on():
+    from mlpsurgery.methods.dlr_lock import capture_batch, split_chunks
+
+    for n in range(2, 40):
+        train, held = split_chunks(n, 0.1)
+        assert train and held and not set(train) & set(held) and sorted(train + held) == list(range(n))
+    with pytest.raises(MLPSurgeryError, match="cannot be split"):
+        split_chunks(1, 0.1)
+    assert [-(-b // capture_batch(b)) >= 2 for b in (2, 3, 8, 9, 16, 256)] == [True] * 6  # >= 2 chunks
+    with pytest.raises(MLPSurgeryError, match="calib-blocks must be >= 2"):
+        DLRConfig(calib_blocks=1).validate()

@@ -36,10 +36,20 @@ for seed, (T, d, r, depth, dtype) in enumerate([(37, 64, 16, 3, "float32"), (5, 
     with torch.enable_grad():  # training: the exact autograd path, never the kernel
         train = net(x.to(dt))
         train_exact = bool(train.grad_fn is not None and torch.equal(train, net._delta(x.to(dt))))
+    net.float()
+    tangent = torch.randn(T, d)
+    with torch.no_grad():  # forward-mode AD under no_grad: the kernel would drop the tangent, PyTorch must run
+        _, jvp_auto = torch.func.jvp(net, (x,), (tangent,))
+        _, jvp_ref = torch.func.jvp(net._delta, (x,), (tangent,))
+        import torch.autograd.forward_ad as fwAD
+        with fwAD.dual_level():
+            fw_auto = fwAD.unpack_dual(net(fwAD.make_dual(x, tangent))).tangent
+    jvp_exact = bool(torch.equal(jvp_auto, jvp_ref) and fw_auto is not None and torch.equal(fw_auto, jvp_ref))
+    net.to(dt)
     rel = lambda a: float((a - ref).norm() / ref.norm())
     out.append({"shape": [T, d, r, depth], "dtype": dtype, "fused": rel(fused), "torch": rel(torch_dt),
                 "auto": rel(auto), "finite": bool(torch.isfinite(fused).all()),
-                "train_exact": train_exact})
+                "train_exact": train_exact, "jvp_exact": jvp_exact})
 print("RESULT" + json.dumps(out))
 """
 
@@ -57,3 +67,4 @@ def test_fused_forward_matches_pytorch_in_the_interpreter():
             assert row["fused"] < 2e-2 and row["fused"] < 2 * row["torch"] + 1e-3, row
         assert row["auto"] == pytest.approx(row["fused"], rel=1e-6, abs=1e-9), row
         assert row["train_exact"], row  # with grad enabled the module runs PyTorch autograd, not the kernel
+        assert row["jvp_exact"], row  # under jvp / forward AD too (the kernel has no tangent)

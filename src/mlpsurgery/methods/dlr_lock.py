@@ -71,6 +71,9 @@ class DLRConfig:
     memory_limit_gb: float = 8.0  # load the captured set into RAM when it fits, else read chunks per step
 
     def validate(self) -> None:
+        if self.calib_blocks < 2:
+            raise MLPSurgeryError(f"DLR-Lock: calib-blocks must be >= 2 (phase 1 holds some out to measure the error on "
+                                  f"tokens it did not train on), not {self.calib_blocks}")
         for name in ("rank", "calib_blocks", "phase1_tokens", "phase2_batch", "phase2_blocks", "top_k", "block_len"):
             if getattr(self, name) < 1:
                 raise MLPSurgeryError(f"DLR-Lock: {name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
@@ -175,11 +178,18 @@ def _finish(workdir: Path, name: str) -> None:
 
 
 def split_chunks(n_chunks: int, val_fraction: float) -> tuple[list[int], list[int]]:
-    """(training, held-out) chunk indices of a capture: the last val_fraction of the chunks (at least one)
-    are held out; a single chunk serves as both."""
-    n_val = max(1, int(round(val_fraction * n_chunks))) if n_chunks > 1 else 0
-    train = list(range(n_chunks - n_val))
-    return train, list(range(n_chunks - n_val, n_chunks)) or train
+    """(training, held-out) chunk indices of a capture: the last val_fraction of the chunks, at least one, are
+    held out, and at least one is trained on (so the held-out error is never a training error)."""
+    if n_chunks < 2:
+        raise MLPSurgeryError(f"a capture of {n_chunks} chunk cannot be split into training and held-out tokens; "
+                              "capture at least 2 batches (more --calib-blocks)")
+    n_val = min(n_chunks - 1, max(1, int(round(val_fraction * n_chunks))))
+    return list(range(n_chunks - n_val)), list(range(n_chunks - n_val, n_chunks))
+
+
+def capture_batch(calib_blocks: int) -> int:
+    """Blocks per captured chunk: 8, fewer for small calibration sets so that there are at least two chunks."""
+    return max(1, min(8, calib_blocks // 2))
 
 
 class _CapturedSet:
@@ -302,8 +312,8 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
     layers, depth, budget = plan(model, cfg)
     d = find_sites(model).config.hidden_size
     dtype = getattr(torch, cfg.capture_dtype)
-    cap = capture_mlp_io(model, blocks, layers=layers, batch_size=8, out_dir=workdir / "capture", dtype=dtype,
-                         progress=progress)
+    cap = capture_mlp_io(model, blocks, layers=layers, batch_size=capture_batch(len(blocks)),
+                         out_dir=workdir / "capture", dtype=dtype, progress=progress)
     train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
     train = _CapturedSet(cap, layers, train_chunks, cfg.memory_limit_gb)
     val = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
@@ -362,8 +372,8 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
 @torch.no_grad()
 def teacher_targets(model: nn.Module, blocks: Tensor, top_k: int, batch_size: int = 4,
                     progress: bool = True) -> dict[str, Tensor]:
-    """What the student must match: top-k token ids and log-probabilities (causal LMs) or final hidden
-    states (encoders), for every position of every block."""
+    """What the student must match: top-k token ids and log-probabilities and the log-probability of the rest
+    of the vocabulary (causal LMs), or final hidden states (encoders), for every position of every block."""
     device = next(model.parameters()).device
     out: dict[str, list[Tensor]] = {}
     causal = is_causal_lm(model)
@@ -374,21 +384,35 @@ def teacher_targets(model: nn.Module, blocks: Tensor, top_k: int, batch_size: in
             val, idx = logp.topk(top_k, dim=-1)
             out.setdefault("topk_logp", []).append(val.cpu())
             out.setdefault("topk_idx", []).append(idx.to(torch.int32).cpu())
+            out.setdefault("tail_logp", []).append(_rest_logsumexp(logp, idx).cpu())
         else:
             h = model(input_ids=ids).last_hidden_state.float()
             out.setdefault("hidden", []).append(h.to(torch.bfloat16).cpu())
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def topk_kl(student_logits: Tensor, topk_idx: Tensor, topk_logp: Tensor) -> Tensor:
+def _rest_logsumexp(logp: Tensor, idx: Tensor) -> Tensor:
+    """log of the probability mass outside the positions `idx` of the last axis, summed in log space."""
+    return logp.scatter(-1, idx.long(), float("-inf")).logsumexp(-1)
+
+
+def topk_kl(student_logits: Tensor, topk_idx: Tensor, topk_logp: Tensor, tail_logp: Tensor | None = None) -> Tensor:
     """Mean over positions of KL(teacher || student) on k+1 categories: the teacher's top-k tokens and
-    the rest of the vocabulary pooled. Shapes (B, T, V), (B, T, k), (B, T, k)."""
+    the rest of the vocabulary pooled. Shapes (B, T, V), (B, T, k), (B, T, k), (B, T).
+
+    Everything is in log space: the student's rest is a logsumexp over the rest of its vocabulary, the teacher's
+    is `tail_logp` (stored with the targets; for older targets log(1 - sum p_k) through log1p/expm1), so a tail
+    of 1e-7 is not lost to cancellation in 1 - sum p (float32 has 6e-8 of resolution near 1)."""
     logq = torch.log_softmax(student_logits.float(), dim=-1)
     q_k = logq.gather(-1, topk_idx.long())  # (B, T, k)
-    p_k = topk_logp.exp()
-    tail_p = (1 - p_k.sum(-1)).clamp_min(1e-12)
-    tail_q = (1 - q_k.exp().sum(-1)).clamp_min(1e-12)
-    kl = (p_k * (topk_logp - q_k)).sum(-1) + tail_p * (tail_p.log() - tail_q.log())
+    q_tail = _rest_logsumexp(logq, topk_idx)  # (B, T)
+    if tail_logp is None:
+        p_tail = torch.log(-torch.expm1(topk_logp.logsumexp(-1).clamp_max(-1e-30)))
+    else:
+        p_tail = tail_logp.float()
+    pt = p_tail.exp()
+    tail = torch.where(pt > 0, pt * (p_tail - q_tail), torch.zeros_like(pt))
+    kl = (topk_logp.exp() * (topk_logp - q_k)).sum(-1) + tail
     return kl.mean()
 
 
@@ -424,7 +448,8 @@ def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DL
         ids = blocks[idx].to(device)
         if causal:
             logits = model(input_ids=ids).logits
-            return topk_kl(logits, targets["topk_idx"][idx].to(device), targets["topk_logp"][idx].to(device))
+            tail = targets["tail_logp"][idx].to(device) if "tail_logp" in targets else None
+            return topk_kl(logits, targets["topk_idx"][idx].to(device), targets["topk_logp"][idx].to(device), tail)
         h = model(input_ids=ids).last_hidden_state.float()
         t = targets["hidden"][idx].to(device).float()
         return (h - t).pow(2).sum() / t.pow(2).sum()

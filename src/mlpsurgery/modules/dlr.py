@@ -33,9 +33,23 @@ def dlr_depth(budget: int, d: int, rank: int) -> int:
     return max(1, round(budget / (2 * d * rank + d + 1)))
 
 
-def _fused_available(x: Tensor) -> bool:
-    """Inference on CUDA (or under Triton's CPU interpreter) with triton installed, outside torch.compile."""
+def _differentiated(t: Tensor) -> bool:
+    """Whether `t` carries a derivative the kernel would drop: a forward-mode tangent (torch.autograd.forward_ad)
+    or a torch.func transform's wrapper (jvp, vmap, grad, jacfwd ...)."""
+    from torch._C import _functorch
+    from torch.autograd import forward_ad
+
+    if _functorch.is_functorch_wrapped_tensor(t) or _functorch.is_batchedtensor(t):
+        return True
+    return forward_ad.unpack_dual(t).tangent is not None
+
+
+def _fused_available(x: Tensor, *params: Tensor) -> bool:
+    """Plain inference on CUDA (or under Triton's CPU interpreter) with triton installed, outside torch.compile
+    and outside any forward-mode or functorch differentiation of the input or the weights."""
     if torch.compiler.is_compiling():
+        return False
+    if any(_differentiated(t) for t in (x, *params)):
         return False
     if not x.is_cuda:
         import os
@@ -100,7 +114,7 @@ class DLRNet(SurgeryModule):
             if self.checkpoint:
                 return torch.utils.checkpoint.checkpoint(self._delta, x, use_reentrant=False)
             return self._delta(x)
-        if self.fused and _fused_available(x):
+        if self.fused and _fused_available(x, self.D, self.U, self.norm, self.alpha):
             from ..kernels.dlr_triton import dlr_forward
 
             Dp, Up = self.folded_weights(x.dtype)
