@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import mlpsurgery as ms
 import mlpsurgery.methods.dlr_lock as dl
 from conftest import outputs
 from mlpsurgery.errors import MLPSurgeryError
@@ -8,7 +9,7 @@ from mlpsurgery.io import load, read_manifest, save
 from mlpsurgery.methods.dlr_lock import DLRConfig, dlr_lock, plan, topk_kl
 from mlpsurgery.modules.dlr import DLRNet, StackedDLR, dlr_depth
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import tiny_model
+from mlpsurgery.tiny import byte_tokenizer, tiny_model
 from mlpsurgery.train import FitConfig, fit, step_rng
 
 ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert"]
@@ -318,3 +319,49 @@ def test_phase1_held_out_chunks_are_never_trained_on():
     assert [-(-b // capture_batch(b)) >= 2 for b in (2, 3, 8, 9, 16, 256)] == [True] * 6  # >= 2 chunks
     with pytest.raises(MLPSurgeryError, match="calib-blocks must be >= 2"):
         DLRConfig(calib_blocks=1).validate()
+
+
+def test_cli_lock_and_attack_never_delete_or_reuse_what_they_should_not(tmp_path, capsys):
+    """A work folder holding the user's files is refused (untouched); bad flags write nothing; the default work
+    folder goes on success, a named one stays; --out above the input model is refused even with --overwrite;
+    attack results made with other settings are refused, not reused."""
+    from mlpsurgery.cli import main
+
+    small = ["--rank", "4", "--calib-blocks", "4", "--block-len", "32", "--phase1-steps", "2", "--phase1-tokens", "32",
+             "--no-compile", "--phase2-steps", "2", "--phase2-blocks", "2", "--phase2-batch", "1", "--top-k", "4",
+             "--eval-tokens", "0", "--quiet"]
+    mine = tmp_path / "mywork"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "a"), "--workdir", str(mine), *small]) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and not (tmp_path / "a").exists()
+    assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "b"), "--layers", "abc", *small]) == 2
+    assert "not understood" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mywork"]
+
+    assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "c"), *small]) == 0
+    assert (tmp_path / "c").is_dir() and not (tmp_path / "c.work").exists()
+    named = tmp_path / "named"
+    assert main(["lock", "dlr", "tiny:llama", "--out", str(tmp_path / "d"), "--workdir", str(named), *small]) == 0
+    assert (named / "phase1.stage.json").exists()
+    capsys.readouterr()
+
+    model_dir = tmp_path / "models" / "m"
+    ms.save(tiny_model("llama"), model_dir, tokenizer=byte_tokenizer())
+    assert main(["lock", "dlr", str(model_dir), "--out", str(tmp_path / "models"), "--overwrite", *small]) == 2
+    assert "not written by mlpsurgery" in capsys.readouterr().err and load(model_dir) is not None
+    inner = tmp_path / "c" / "m"  # an input inside a folder mlpsurgery wrote: --overwrite of that folder is refused
+    ms.save(tiny_model("llama"), inner, tokenizer=byte_tokenizer())
+    assert main(["lock", "dlr", str(inner), "--out", str(tmp_path / "c"), "--overwrite", *small]) == 2
+    assert "contains the input" in capsys.readouterr().err and load(inner) is not None
+    import shutil
+    shutil.rmtree(inner)
+
+    attack = ["attack", "dlr", str(tmp_path / "c"), "--out", str(tmp_path / "att"), "--attacks", "finetune",
+              "--lrs", "1e-4", "--batch", "1", "--block-len", "32", "--train-blocks", "4", "--eval-blocks", "1",
+              "--quiet"]
+    assert main(attack + ["--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(attack + ["--steps", "3"]) == 2
+    assert "other settings" in capsys.readouterr().err

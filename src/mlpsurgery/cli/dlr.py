@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
+from ..errors import MLPSurgeryError
 from ..report import table
 from . import command, device_of, integer, number
 from .core import MODEL_HELP
@@ -14,13 +14,17 @@ from .core import MODEL_HELP
 
 def run_lock(args) -> dict:
     from ..data import load_corpus
+    from ..files import check_state, claim, model_fingerprint, remove_ours
     from ..io import check_out, save
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
     from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
-    from ..models import load_model
+    from ..models import check_context, load_model
 
     out = Path(args.out)
-    check_out(out, args.overwrite)
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
+    inputs = [args.model, args.data, args.second_corpus]
+    check_out(out, args.overwrite, inputs=inputs + [work])
+    check_state(work, inputs=inputs + [out], what="work")
     loaded = load_model(args.model)
     model, tok = loaded.model.to(device_of(args)), loaded.require_tokenizer()
     cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
@@ -36,19 +40,27 @@ def run_lock(args) -> dict:
         _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
         cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
     cfg.validate()
+    plan(model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
+    check_context(model, cfg.block_len)
+    vocab = getattr(model.config, "vocab_size", None)
+    if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
+        raise MLPSurgeryError(f"--top-k {cfg.top_k} must be below the vocabulary size {vocab}")
     corpus = load_corpus(args.data, tok)
     calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
+    if len(calib) < 2:
+        raise MLPSurgeryError(f"the training split of {corpus.source} gives {len(calib)} block of {cfg.block_len} "
+                              "tokens; phase 1 needs at least 2: give more text or a smaller --block-len")
     p2 = corpus.blocks("train", cfg.block_len, max_blocks=cfg.phase2_blocks, seed=cfg.seed + 1)
     causal = is_causal_lm(model)
     evals: dict[str, dict] = {}
     second = None
     if causal and args.eval_tokens and args.second_corpus:
         second = load_corpus(args.second_corpus, tok)
+    block = default_block_len(model)
 
     def measure(stage: str):
         if not (causal and args.eval_tokens):
             return
-        block = default_block_len(model)
         row = {"heldout": perplexity(model, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
                                      progress=not args.quiet, bos_id=corpus.bos).ppl}
         if second is not None:
@@ -57,19 +69,21 @@ def run_lock(args) -> dict:
                                               bos_id=second.bos).ppl
         evals[stage] = row
 
+    # The work folder belongs to this model: its stages also record their own settings.
+    claim(work, "dlr-work", {"model": model_fingerprint(model)}, inputs=inputs + [out])
     measure("original")
-    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     t0 = time.perf_counter()
     report = dlr_lock(model, calib, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
                       on_phase1=lambda m: measure("phase1"))
     seconds = time.perf_counter() - t0
     measure("phase2")
-    save(model, out, tokenizer=tok, overwrite=args.overwrite)
-    if not args.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
+    kept = args.keep_work or args.workdir is not None  # a folder the user named is theirs to remove
+    if not kept:
+        remove_ours(work)
     res = {"out": str(out), "model": loaded.source, "config": cfg.__dict__, "report": report.as_dict(),
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
-           "second_corpus": args.second_corpus}
+           "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
     if "original" in evals and "phase2" in evals:
         res["heldout_ratio"] = evals["phase2"]["heldout"] / evals["original"]["heldout"]
     return res
@@ -89,16 +103,32 @@ def render_lock(r: dict) -> str:
     errs = [{"layer": i, "phase 1": f"{e:.4f}", "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"}
             for i, e in rep["phase1_relative_error"].items()]
     lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity):", table(errs)]
+    if r.get("workdir"):
+        lines.append(f"work folder kept: {r['workdir']} (remove it when you no longer need to resume or rerun)")
     return "\n".join(lines)
 
 
 def run_attack(args) -> dict:
+    from dataclasses import asdict
+
     from ..data import load_corpus
-    from ..errors import MLPSurgeryError
+    from ..files import check_state, claim, model_fingerprint, write_text
     from ..io import check_source, source_spec
     from ..methods.dlr_lock import AttackSuiteConfig, attack_suite, attack_table, plot_attack_suite
-    from ..models import load_model
+    from ..models import check_context, load_model
 
+    try:
+        lrs = tuple(float(x) for x in args.lrs.split(","))
+    except ValueError:
+        raise MLPSurgeryError(f"--lrs takes comma-separated numbers such as 1e-5,1e-4, not {args.lrs!r}") from None
+    if not lrs or not all(0 < lr < float("inf") for lr in lrs):
+        raise MLPSurgeryError(f"--lrs must be positive numbers, not {args.lrs!r}")
+    cfg = AttackSuiteConfig(lrs=lrs, steps=args.steps, batch=args.batch,
+                            attacks=tuple(a.strip() for a in args.attacks.split(",")), lora_rank=args.lora_rank,
+                            reverse_layers=args.reverse_layers, reverse_steps=args.reverse_steps, seed=args.seed)
+    cfg.validate()
+    out = Path(args.out)
+    check_state(out, [args.locked, args.original, args.data], what="attack results")
     locked = load_model(args.locked)
     original_spec = args.original or source_spec(locked.model)
     if not original_spec:
@@ -106,6 +136,7 @@ def run_attack(args) -> dict:
                               "--original MODEL (it is checked against the fingerprint)")
     original = load_model(original_spec)
     check_source(locked.model, original.model, original_spec)
+    check_context(locked.model, args.block_len)
     dev = device_of(args)
     locked.model.to(dev)
     original.model.to(dev)
@@ -113,15 +144,16 @@ def run_attack(args) -> dict:
     corpus = load_corpus(args.data, tok)
     train = corpus.blocks("train", args.block_len, max_blocks=args.train_blocks, seed=args.seed + 2)
     held = corpus.blocks("heldout", args.block_len, max_blocks=args.eval_blocks, seed=args.seed + 3)
-    cfg = AttackSuiteConfig(lrs=tuple(float(x) for x in args.lrs.split(",")), steps=args.steps, batch=args.batch,
-                            attacks=tuple(a.strip() for a in args.attacks.split(",")), lora_rank=args.lora_rank,
-                            reverse_layers=args.reverse_layers, reverse_steps=args.reverse_steps, seed=args.seed)
-    out = Path(args.out)
+    # Results already in --out are reused only for the same attacks on the same two models and data.
+    claim(out, "dlr-attacks", {"config": asdict(cfg), "locked": model_fingerprint(locked.model),
+                               "original": model_fingerprint(original.model), "data": corpus.source,
+                               "block_len": args.block_len, "train_blocks": args.train_blocks,
+                               "eval_blocks": args.eval_blocks}, inputs=[args.locked, original_spec, args.data])
     suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
     plot_attack_suite(suite, out / "attacks.png")
     rows = attack_table(suite)
-    (out / "attacks.md").write_text(table(rows, markdown=True) + "\n")
-    (out / "suite.json").write_text(json.dumps(suite))
+    write_text(out / "attacks.md", table(rows, markdown=True) + "\n")
+    write_text(out / "suite.json", json.dumps(suite))
     return {"table": rows, "reverse": suite["reverse"], "plot": str(out / "attacks.png"), "out": str(out),
             "locked": args.locked, "original": original_spec}
 
@@ -173,7 +205,8 @@ def register(sub, groups) -> None:
     p.add_argument("--eval-tokens", type=integer(0), default=8192,
                    help="held-out tokens scored after each stage (0: no evaluation)")
     p.add_argument("--second-corpus", default="r8", help="a second, different corpus to score (default: r8 news)")
-    p.add_argument("--workdir", help="resumable intermediate state (default: OUT.work, removed on success)")
+    p.add_argument("--workdir", help="resumable intermediate state (default: OUT.work, removed on success; a folder "
+                                     "you name is kept)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--seed", type=integer(0), default=0)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..capture import capture_mlp_io, fingerprint, open_capture
-from ..errors import MLPSurgeryError
+from ..errors import IntegrityError, MLPSurgeryError
 from ..io import atomic_write_text, record
 from ..measure.perplexity import is_causal_lm
 from ..modules.dlr import DLRNet, StackedDLR, dlr_depth, rms_norm
@@ -155,7 +155,12 @@ def _stage(workdir: Path, name: str, settings: dict) -> bool:
     with other settings is an error: its state would silently corrupt this run."""
     path = workdir / f"{name}.stage.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+            old["settings"], old["done"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise IntegrityError(f"{path} is damaged; delete it to recompute the {name} stage, or start with a new "
+                                 "work folder") from None
         if old["settings"] != settings:
             diff = sorted(k for k in set(old["settings"]) | set(settings) if old["settings"].get(k) != settings.get(k))
             raise MLPSurgeryError(f"work folder {workdir} holds a {name} stage made with other settings ({', '.join(diff)}); "
@@ -164,6 +169,16 @@ def _stage(workdir: Path, name: str, settings: dict) -> bool:
     workdir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"settings": settings, "done": False}, indent=1))
     return False
+
+
+def _stage_file(path: Path) -> dict[str, Tensor]:
+    """A finished stage's tensors, or a one-line refusal when the file was damaged."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+        raise IntegrityError(f"{path} in the work folder is damaged ({type(e).__name__}); delete it and its "
+                             f"{path.stem.split('_')[0]}.stage.json to recompute that stage, or start with a new "
+                             "work folder") from None
 
 
 def _finish(workdir: Path, name: str) -> None:
@@ -332,7 +347,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
     if cfg.phase1_hard_fraction:
         settings["phase1_hard_fraction"] = cfg.phase1_hard_fraction
     if _stage(workdir, "phase1", settings):
-        state = load_file(str(done))
+        state = _stage_file(done)
         net.load_state_dict(state)
         meta = json.loads((workdir / "phase1.json").read_text())
         report.phase1_history, report.phase1_seconds = meta["history"], meta["seconds"]
@@ -502,7 +517,7 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
         _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], "phase1": json.loads(
             (workdir / "phase1.stage.json").read_text())["settings"], **{k: getattr(cfg, k) for k in (
                 "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
-        targets = load_file(str(targets_path))
+        targets = _stage_file(targets_path)
         res = phase2(model, phase2_blocks, targets, cfg, workdir, progress)
         _finish(workdir, "phase2")
         report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
