@@ -216,6 +216,21 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_permissions(folder: Path) -> None:
+    """Give the files written into `folder` the user's usual permissions (some writers, safetensors among them,
+    create theirs 0600), so that a model folder handed out is readable like any other file. Keys never pass here."""
+    mode = 0o666 & ~_umask()
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def publish(tmp: Path, out: Path) -> None:
     """Put the finished folder `tmp` at `out`, replacing an old folder mlpsurgery wrote there."""
     if out.exists() and not _empty_dir(out):
@@ -246,6 +261,7 @@ def atomic_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | 
     try:
         mark(tmp, kind)
         yield tmp
+        normal_permissions(tmp)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
