@@ -36,10 +36,12 @@ the weight layer that come next, when their channel counts match).
 The key is one safetensors file: per parameter the extracted positions (int32 indices, or a packed
 bit mask when that is smaller) and the original values, with a JSON header holding the config, a
 SHA-256 of every tensor of the locked model, the fingerprint of the original model and a SHA-256 of
-the payload. With a passphrase the whole key is sealed with AES-256-GCM under a scrypt-derived key
-(the `cryptography` package); the header of the sealed file holds only the KDF parameters, salt and
-nonce, and is authenticated as associated data. Unlocking verifies the key, checks that the model is
-exactly the locked model the key was made for, restores, checks the result against the original's
+the payload; it is written readable by its owner only (0600). With a passphrase the whole key is sealed
+with AES-256-GCM under a scrypt-derived key (the `cryptography` package); the header of the sealed file
+holds only the KDF parameters, salt and nonce, and is authenticated as associated data. Unlocking checks
+the key (a plain key for consistency: checksums anyone could recompute; a sealed key is authenticated),
+checks that the model is exactly the locked model the key was made for and that the key's original
+fingerprint is the one the locked folder recorded, restores, checks the result against the original's
 fingerprint, and only then writes anything.
 
 Where each part lives: `config` (what to extract), `units` (unit groups and channel links), `ranking`
@@ -51,21 +53,23 @@ utility curve, bisection, plot), `attacks`, `folders` (lock / unlock transformer
 from .attacks import (FinetuneLoss, attack_finetune, attack_prune, attack_table, classifier_finetune, lm_finetune,
                       prune_plain)
 from .config import INDICATORS, SCOPES, UNITS, CoreLockerConfig
-from .folders import lock_folder, unlock_folder
-from .keyfile import (KEY_FORMAT, KEY_VERSION, Key, is_sealed, key_bytes, passphrase_from_user, read_key,
-                      save_key)
+from .folders import check_lock_targets, check_unlock_targets, lock_folder, unlock_folder
+from .keyfile import (KEY_FORMAT, KEY_VERSION, Key, check_header, is_sealed, key_bytes, key_file_bytes,
+                      passphrase_from_user, read_key, save_key)
 from .lock import lock_key, unlock_key
 from .ranking import Extraction, Ranking, apply_extraction, fingerprint, restore_values, tensor_hashes
-from .sealing import PASSPHRASE_ENV, SCRYPT, SCRYPT_MAX, SEALED_FORMAT, seal
+from .sealing import (PASSPHRASE_ENV, SCRYPT, SCRYPT_MAX, SEALED_FORMAT, SEALED_VERSION, check_kdf, seal,
+                      sealed_header)
 from .units import ChannelLinks, Members, UnitGroup, channel_links, unit_groups
 from .utility import (RatioSearch, Utility, balanced_accuracy, classifier_utility, default_utility, evaluate_at,
                       extracted, find_ratio, lm_utility, plot_curves, utility_curve)
 
 __all__ = ["ChannelLinks", "CoreLockerConfig", "Extraction", "FinetuneLoss", "INDICATORS", "KEY_FORMAT",
            "KEY_VERSION", "Key", "Members", "PASSPHRASE_ENV", "Ranking", "RatioSearch", "SCOPES", "SCRYPT",
-           "SCRYPT_MAX", "SEALED_FORMAT", "UNITS", "UnitGroup", "Utility", "apply_extraction", "attack_finetune",
-           "attack_prune", "attack_table", "balanced_accuracy", "channel_links", "classifier_finetune",
-           "classifier_utility", "default_utility", "evaluate_at", "extracted", "find_ratio", "fingerprint",
-           "is_sealed", "key_bytes", "lm_finetune", "lm_utility", "lock_folder", "lock_key", "passphrase_from_user",
-           "plot_curves", "prune_plain", "read_key", "restore_values", "save_key", "seal", "tensor_hashes",
-           "unit_groups", "unlock_folder", "unlock_key", "utility_curve"]
+           "SCRYPT_MAX", "SEALED_FORMAT", "SEALED_VERSION", "UNITS", "UnitGroup", "Utility", "apply_extraction",
+           "attack_finetune", "attack_prune", "attack_table", "balanced_accuracy", "channel_links", "check_header",
+           "check_kdf", "check_lock_targets", "check_unlock_targets", "classifier_finetune", "classifier_utility",
+           "default_utility", "evaluate_at", "extracted", "find_ratio", "fingerprint", "is_sealed", "key_bytes",
+           "key_file_bytes", "lm_finetune", "lm_utility", "lock_folder", "lock_key", "passphrase_from_user",
+           "plot_curves", "prune_plain", "read_key", "restore_values", "save_key", "seal", "sealed_header",
+           "tensor_hashes", "unit_groups", "unlock_folder", "unlock_key", "utility_curve"]

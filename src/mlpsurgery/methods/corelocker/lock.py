@@ -35,9 +35,11 @@ def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = 
     return Key({n: p for n, (p, _) in extraction.items()}, values, header)
 
 
-def unlock_key(model: nn.Module, key: Key) -> None:
+def unlock_key(model: nn.Module, key: Key, original: str | None = None, where: str = "the locked folder") -> None:
     """Restore `model` in place from `key`, bit for bit. Refuses (changing nothing) a model that is
-    not exactly the locked model of this key, and a key whose values do not give back the original."""
+    not exactly the locked model of this key, and a key whose values do not give back the original.
+    `original`: the original model's fingerprint as recorded apart from the key (`where`: in the locked
+    folder); the key's must be the same, so that a forged plain key also needs a forged locked folder."""
     hashes = tensor_hashes(model)
     if fingerprint(hashes) != key.header["locked_fingerprint"]:
         expected = key.header.get("locked_tensors", {})
@@ -46,10 +48,16 @@ def unlock_key(model: nn.Module, key: Key) -> None:
             "this key does not belong to this model, or the locked model was modified after locking: "
             f"{len(differ)} tensor(s) differ from the locked model the key was made for "
             f"({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}); use the key written with this model")
+    if original is not None and original != key.header["original_fingerprint"]:
+        mine = key.header["original_fingerprint"][:16]
+        raise IntegrityError(f"the key restores an original model (fingerprint {mine}...) other than the one recorded "
+                             f"in {where} ({original[:16]}...): the key or the folder was altered; use the key "
+                             "written with this folder")
     params = dict(model.named_parameters())
     for name, pos in key.positions.items():
         if name not in params or len(pos) != len(key.values[name]) or \
-                (len(pos) and int(pos.max()) >= params[name].numel()):
+                (key.numels is not None and key.numels.get(name) != params[name].numel()) or \
+                (len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= params[name].numel())):
             raise IntegrityError(f"the key's entry for {name} does not fit the model: the key was altered")
     before = {n: _flat(params[n], n)[pos.to(params[n].device)].cpu().clone() for n, pos in key.positions.items()}
     restore_values(model, key.positions, key.values)
