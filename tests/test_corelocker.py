@@ -402,7 +402,7 @@ def test_cli_lock_unlock_encrypted(capsys, tmp_path, monkeypatch):
     assert r["encrypted"] and r["key_bytes"] == os.path.getsize(tmp_path / "k.key") and r["units_extracted"] == 6
     code, out, err = run(capsys, "unlock", str(tmp_path / "locked"), "--key", str(tmp_path / "k.key"), "--out",
                          str(tmp_path / "out"), "--json")
-    assert code == 0 and json.loads(out)["verified"], err
+    assert code == 0 and json.loads(out)["check"] == "authenticated", err
     assert identical(type(tiny_model("gpt2")).from_pretrained(tmp_path / "out"), state(tiny_model("gpt2")))
     monkeypatch.setenv("MLPSURGERY_PASSPHRASE", "open says me")
     code, out, err = run(capsys, "unlock", str(tmp_path / "locked"), "--key", str(tmp_path / "k.key"), "--out",

@@ -23,18 +23,22 @@ def _floats(text: str) -> list[float]:
 # ---- lock key ---------------------------------------------------------------------------------------
 
 def run_lock(args) -> dict:
-    from ..methods.corelocker import CoreLockerConfig, default_utility, lock_folder, passphrase_from_user, plot_curves
+    from ..methods.corelocker import (CoreLockerConfig, check_lock_targets, default_utility, lock_folder,
+                                      passphrase_from_user, plot_curves)
 
     cfg = CoreLockerConfig(ratio=args.ratio if args.ratio is not None else 0.0, indicator=args.indicator,
                            unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
     cfg.validate()
+    # before the passphrase prompt and the model load: a bad --out / --key costs nothing and writes nothing
+    check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
     loaded = _load(args, task=args.task)
     needs_utility = args.target_utility is not None or args.measure
     utility = default_utility(loaded.model, loaded.tokenizer, args.data, args.calib_size) if needs_utility else None
     res = lock_folder(loaded.model, args.out, args.key, cfg, tokenizer=loaded.tokenizer, passphrase=passphrase,
                       target=args.target_utility, utility=utility, tolerance=args.tolerance, max_ratio=args.max_ratio,
-                      measure=args.measure, overwrite=args.overwrite, progress=not (args.quiet or args.json))
+                      measure=args.measure, overwrite=args.overwrite, progress=not (args.quiet or args.json),
+                      inputs=[args.model])
     if args.plot and "search" in res:
         metric = res["utility"]["metric"]
         res["plot"] = str(plot_curves({f"{cfg.indicator} / {cfg.unit}": res["search"]["curve"]}, metric, args.plot,
@@ -51,7 +55,8 @@ def render_lock(r: dict) -> str:
              f"indicator {c['indicator']}, {c['scope']} ranking) = {r['entries']:,} weights",
              f"  key {r['key']}: {human_bytes(r['key_bytes'])} ({r['key_bytes']:,} bytes"
              + (f", {r['key_bytes'] / r['model_bytes']:.2%} of the {human_bytes(r['model_bytes'])} weights file"
-                if r.get("model_bytes") else "") + ")" + (", encrypted" if r["encrypted"] else ", NOT encrypted")]
+                if r.get("model_bytes") else "") + "), readable by you only (0600)"
+             + (", encrypted" if r["encrypted"] else ", NOT encrypted (anyone who reads it can unlock; --encrypt)")]
     u = r.get("utility")
     if u:
         chance = f" (chance {u['chance']:.3g})" if u.get("chance") and u["metric"].endswith("accuracy") else ""
@@ -70,15 +75,26 @@ def render_lock(r: dict) -> str:
 # ---- unlock -----------------------------------------------------------------------------------------
 
 def run_unlock(args) -> dict:
-    from ..methods.corelocker import is_sealed, passphrase_from_user, unlock_folder
+    from ..methods.corelocker import check_unlock_targets, is_sealed, passphrase_from_user, unlock_folder
 
+    check_unlock_targets(args.dir, args.key, args.out, args.overwrite)  # before asking for a passphrase
     passphrase = passphrase_from_user() if is_sealed(args.key) else None
     return unlock_folder(args.dir, args.key, args.out, passphrase=passphrase, overwrite=args.overwrite)
 
 
 def render_unlock(r: dict) -> str:
+    if r["check"] == "authenticated":
+        check = ("key authenticated: it is sealed (AES-256-GCM) under your passphrase, so it is exactly the key that "
+                 "was sealed")
+    else:
+        check = ("key consistent, not authenticated: a plain key carries checksums only, so it is intact and fits "
+                 "this locked model, but whoever can edit it can recompute them (seal keys with `lock key --encrypt`)")
+    cross = ("the original fingerprint is also the one the locked folder recorded at lock time" if r["cross_checked"]
+             else "the locked folder records no original fingerprint (locked by an older mlpsurgery, or re-saved), so "
+                  "the restored model was checked against the key's fingerprint only")
     return (f"unlocked {r['from']} with {r['key']} into {r['unlocked']}: {r['entries_restored']:,} weights restored; "
-            f"every tensor matches the original model's fingerprint {r['original_fingerprint'][:16]}...")
+            f"every tensor matches the original model's fingerprint {r['original_fingerprint'][:16]}...\n"
+            f"  {check}\n  {cross}")
 
 
 # ---- attack key -------------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""What a locked model is still good for: utilities (accuracy, perplexity), the ratio -> utility curve,
+the bisection to a target utility, and the curve plot."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import MLPSurgeryError
+from ...report import save_figure
+from .config import CoreLockerConfig
+from .ranking import Ranking, apply_extraction, restore_values
+from .units import unit_groups
+
+
+@dataclass
+class Utility:
+    """A calibration measurement of a model: accuracy of a classifier, perplexity of a causal LM, or
+    anything a caller supplies. `higher_is_better` tells the bisection which way the curve runs."""
+
+    fn: Callable[[nn.Module], float]
+    name: str
+    higher_is_better: bool
+    data: str = ""
+    chance: float | None = None
+
+    def __call__(self, model: nn.Module) -> float:
+        return float(self.fn(model))
+
+    def default_tolerance(self, target: float) -> float:
+        return 0.025 if self.name.endswith("accuracy") else 0.05 * abs(target)
+
+
+def balanced_accuracy(model: nn.Module, tokenizer, data, max_len: int = 128, batch_size: int = 32) -> float:
+    """Mean per-class recall: 1/C for any constant or random predictor, whatever the class balance
+    (plain accuracy of a constant predictor is its class's frequency: 49% for 'earn' in R8 test)."""
+    from ...measure.accuracy import predict
+
+    pred = predict(model, tokenizer, data.texts, max_len=max_len, batch_size=batch_size, progress=False)
+    labels = torch.tensor(data.labels)
+    recalls = [float((pred[labels == c] == c).float().mean()) for c in labels.unique().tolist()]
+    return sum(recalls) / len(recalls)
+
+
+def classifier_utility(tokenizer, data, max_len: int = 128, batch_size: int = 32, balanced: bool = False) -> Utility:
+    from ...measure.accuracy import accuracy
+
+    if balanced:
+        return Utility(lambda m: balanced_accuracy(m, tokenizer, data, max_len, batch_size), "balanced_accuracy", True,
+                       f"{data.name or 'labelled set'} ({len(data)} examples)", 1 / data.num_classes)
+    return Utility(lambda m: accuracy(m, tokenizer, data, max_len=max_len, batch_size=batch_size, progress=False),
+                   "accuracy", True, f"{data.name or 'labelled set'} ({len(data)} examples)", 1 / data.num_classes)
+
+
+def lm_utility(sequences: list[Tensor], block_len: int = 256, max_tokens: int | None = 4096) -> Utility:
+    from ...measure.perplexity import perplexity
+
+    return Utility(lambda m: perplexity(m, sequences, block_len=block_len, max_tokens=max_tokens, progress=False).ppl,
+                   "perplexity", False, f"{max_tokens or 'all'} held-out tokens, windows of {block_len}")
+
+
+def default_utility(model: nn.Module, tokenizer, data: str | None = None, size: int | None = None) -> Utility:
+    """Accuracy on a labelled calibration set (default: 256 examples of Reuters R8 train) for a model
+    with a classification head; perplexity on held-out text (default: the first 4096 tokens of
+    Persuasion) for a causal LM."""
+    from ...data import load_corpus, read_labelled
+    from ...measure.perplexity import is_causal_lm
+
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        labelled = read_labelled(data or "r8-train")
+        if labelled.num_classes != model.num_labels:
+            raise MLPSurgeryError(f"the calibration set has {labelled.num_classes} classes, the model's head "
+                                  f"{model.num_labels}; give the labelled set it was trained for with --data")
+        n = size or 256
+        return classifier_utility(tokenizer, labelled.sample(n, seed=0) if len(labelled) > n else labelled)
+    if is_causal_lm(model):
+        corpus = load_corpus(data, tokenizer)
+        return lm_utility(corpus.heldout, max_tokens=size or 4096)
+    raise MLPSurgeryError(f"{type(model).__name__} has neither a classification head nor a language-model head, so "
+                          "there is no utility to calibrate; fine-tune a head first or use --ratio")
+
+
+# --------------------------------------------------------------------------------------------------
+# Granular utility control: the ratio -> utility curve and bisection to a target
+
+
+@contextlib.contextmanager
+def extracted(model: nn.Module, ranking: Ranking, ratio: float):
+    """Within the block the model has the units of `ratio` extracted; afterwards it is restored exactly.
+    Yields the number of units extracted."""
+    extraction, n = ranking.take(ratio)
+    originals = apply_extraction(model, extraction)
+    try:
+        yield n
+    finally:
+        restore_values(model, {k: p for k, (p, _) in extraction.items()}, originals)
+
+
+def evaluate_at(model: nn.Module, ranking: Ranking, ratio: float, utility: Utility) -> tuple[float, int]:
+    """Utility of the model with the units of `ratio` extracted; the model is restored afterwards."""
+    with extracted(model, ranking, ratio) as n:
+        return utility(model), n
+
+
+def utility_curve(model: nn.Module, cfg: CoreLockerConfig, ratios, utility: Utility, progress: bool = True,
+                  ranking: Ranking | None = None) -> list[dict]:
+    """Utility at each extraction ratio (the paper's Tables 5-6 / Fig. 6); the model is left unchanged."""
+    from tqdm.auto import tqdm
+
+    ratios = sorted(float(r) for r in ratios)
+    ranking = ranking or Ranking(unit_groups(model, cfg), cfg.scope, max(ratios))
+    rows = []
+    for r in tqdm(ratios, desc="utility curve", disable=not progress):
+        u, n = evaluate_at(model, ranking, r, utility)
+        rows.append({"ratio": r, "units": n, utility.name: u})
+    return rows
+
+
+@dataclass
+class RatioSearch:
+    ratio: float
+    utility: float
+    within_tolerance: bool
+    target: float
+    tolerance: float
+    curve: list[dict]  # every evaluated point, by ratio
+    ranking: Ranking = field(repr=False)
+
+    def as_dict(self) -> dict:
+        return {"ratio": self.ratio, "utility": self.utility, "within_tolerance": self.within_tolerance,
+                "target": self.target, "tolerance": self.tolerance, "curve": self.curve}
+
+
+def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target: float,
+               tolerance: float | None = None, max_ratio: float = 0.5, iterations: int = 14,
+               progress: bool = True) -> RatioSearch:
+    """The extraction ratio whose utility lands within `tolerance` of `target`, by bisection over
+    log(ratio) on the monotone ratio -> utility curve (falling accuracy, rising perplexity). The model
+    is left unchanged. Returns the closest point found when no ratio lands within the tolerance."""
+    from tqdm.auto import tqdm
+
+    tol = utility.default_tolerance(target) if tolerance is None else tolerance
+    ranking = Ranking(unit_groups(model, cfg), cfg.scope, max_ratio)
+    sign = 1.0 if utility.higher_is_better else -1.0
+
+    def side(u: float) -> int:
+        """+1: still too useful (extract more), -1: too degraded, 0: on target."""
+        return 0 if abs(u - target) <= tol else (1 if sign * (u - target) > 0 else -1)
+
+    curve: list[dict] = []
+
+    def point(r: float) -> float:
+        u, n = evaluate_at(model, ranking, r, utility)
+        curve.append({"ratio": r, "units": n, utility.name: u})
+        bar.update(1)
+        return u
+
+    bar = tqdm(total=iterations + 2, desc="target utility", disable=not progress)
+    try:
+        u0 = point(0.0)
+        if side(u0) < 0:
+            raise MLPSurgeryError(f"the target {utility.name} {target:g} is beyond the original model's {u0:.4g}; "
+                                  "no extraction can reach it")
+        best = 0.0
+        if side(u0) != 0:
+            u_hi = point(max_ratio)
+            if side(u_hi) > 0:
+                raise MLPSurgeryError(f"extracting {max_ratio:g} of the units still leaves {utility.name} {u_hi:.4g}, "
+                                      f"short of the target {target:g}; raise --max-ratio or choose another unit")
+            lo, hi = 0.5 / ranking.n_units, max_ratio
+            best = max_ratio
+            for _ in range(iterations):
+                mid = math.sqrt(lo * hi)
+                if ranking.count(mid) in (ranking.count(lo), ranking.count(hi)):
+                    mid = (lo + hi) / 2
+                    if ranking.count(mid) in (ranking.count(lo), ranking.count(hi)):
+                        break
+                s = side(point(mid))
+                if s == 0:
+                    break
+                lo, hi = (mid, hi) if s > 0 else (lo, mid)
+            best = min(curve, key=lambda c: abs(c[utility.name] - target))["ratio"]
+    finally:
+        bar.close()
+    curve.sort(key=lambda c: c["ratio"])
+    u_best = next(c[utility.name] for c in curve if c["ratio"] == best)
+    return RatioSearch(best, u_best, abs(u_best - target) <= tol, target, tol, curve, ranking)
+
+
+def plot_curves(curves: dict[str, list[dict]], metric: str, path: str | Path, title: str = "",
+                chance: float | None = None, logy: bool = False) -> Path:
+    """Utility against extraction ratio (log x), one line per label, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rows in curves.items():
+        pts = [(r["ratio"], r[metric]) for r in rows if r["ratio"] > 0]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if chance is not None:
+        ax.axhline(chance, color="grey", linestyle="--", label=f"chance ({chance:.3g})")
+    ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("extraction ratio (fraction of eligible units)")
+    ax.set_ylabel(metric)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path)
