@@ -110,7 +110,8 @@ def main():
     else:
         loaded = ms.load_model("smollm2")
         model = loaded.model
-        ppl = lm_utility(ms.load_corpus(None, loaded.tokenizer).heldout, block_len=512, max_tokens=args.max_tokens)
+        corpus = ms.load_corpus(None, loaded.tokenizer)
+        ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=args.max_tokens, bos_id=corpus.bos)
 
         def metrics(m):
             return {"perplexity": ppl(m)}

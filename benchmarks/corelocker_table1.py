@@ -159,7 +159,7 @@ def main():
         else:
             loaded = ms.load_model("smollm2")
             corpus = ms.load_corpus(None, loaded.tokenizer)
-            ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=args.max_tokens)
+            ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=args.max_tokens, bos_id=corpus.bos)
 
             def metrics(m):
                 return {"perplexity": ppl(m)}

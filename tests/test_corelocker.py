@@ -415,8 +415,8 @@ def test_cli_needs_a_passphrase_and_one_of_ratio_or_target(capsys, tmp_path, mon
     code, _, err = run(capsys, "lock", "key", "tiny:llama", "--out", str(tmp_path / "l"), "--key",
                        str(tmp_path / "k"), "--ratio", "0.1", "--encrypt")
     assert code == 2 and "MLPSURGERY_PASSPHRASE" in err and not any(tmp_path.iterdir())
-    with pytest.raises(SystemExit):
-        main(["lock", "key", "tiny:llama", "--out", str(tmp_path / "l"), "--key", str(tmp_path / "k")])
+    code, _, err = run(capsys, "lock", "key", "tiny:llama", "--out", str(tmp_path / "l"), "--key", str(tmp_path / "k"))
+    assert code == 2 and "one of the arguments --ratio --target-utility is required" in err and len(err.splitlines()) == 1
 
 
 def test_cli_measure_and_attack_on_a_tiny_lm(capsys, tmp_path):

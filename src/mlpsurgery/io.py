@@ -109,6 +109,12 @@ def source_of(model: nn.Module) -> dict | None:
     return src if isinstance(src, dict) else None
 
 
+def loaded_from(model: nn.Module) -> str | None:
+    """The local path this model was loaded from (kept in memory only, never written to a manifest): an input
+    that nothing written from the model may be, hold or lie inside."""
+    return getattr(model, "_mlpsurgery_path", None)
+
+
 def source_spec(model: nn.Module) -> str | None:
     """A MODEL string that reloads the original, where its name is one (bundled and tiny models); else None."""
     src = source_of(model)
@@ -151,6 +157,7 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     if not hasattr(model, "config"):
         raise MLPSurgeryError("save() needs a transformers model (with .config); for plain PyTorch models use "
                               "safetensors.torch.save_model")
+    inputs = [*inputs, loaded_from(model)]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
         "model_class": type(model).__name__, "model_type": model.config.model_type,
@@ -343,6 +350,7 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
                              f"unexpected {sorted(unexpected)[:8]}")
     model._mlpsurgery_history = manifest.get("history", [])
     model._mlpsurgery_source = manifest.get("source")
+    model._mlpsurgery_path = str(folder)
     if (folder / "generation_config.json").is_file():
         with contextlib.suppress(Exception):
             from transformers import GenerationConfig

@@ -236,6 +236,8 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
         raise MLPSurgeryError(f"{folder}: a weights file is damaged ({_first_line(e)}); restore it") from None
     name = text if text in ("smollm2", "minilm") else Path(text).name
     model._mlpsurgery_source = source_record(name, model)
+    if text not in ("smollm2", "minilm"):
+        model._mlpsurgery_path = str(Path(text).expanduser())
     return Loaded(model.eval(), _tokenizer(folder), source)
 
 

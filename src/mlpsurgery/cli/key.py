@@ -116,7 +116,7 @@ def run_attack(args) -> dict:
         make_loss = classifier_finetune(tok, train, batch_size=args.batch_size, epochs=args.epochs)
     else:
         corpus = load_corpus(args.data, tok)
-        utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096)
+        utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096, bos_id=corpus.bos)
         make_loss = lm_finetune(corpus.blocks("train", args.block_len), batch_size=args.batch_size, epochs=args.epochs)
     res = attack_table(model, utility, make_loss, finetune=_floats(args.finetune), prune=_floats(args.prune),
                        trials=args.trials, lr=args.lr, progress=progress)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import check_file_out, check_out, write_private
-from ...io import source_of
+from ...io import loaded_from
 from .config import CoreLockerConfig
 from .keyfile import key_file_bytes, read_key
 from .lock import lock_key, unlock_key
@@ -27,12 +27,6 @@ def _numels(model: nn.Module) -> dict[str, int]:
 
 def _resolved(path: str | Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser().resolve()))
-
-
-def _source(model: nn.Module) -> str | None:
-    """The path the model was loaded from, when it names one on this disk: never write over it."""
-    src = source_of(model)
-    return src if isinstance(src, str) and Path(src).expanduser().exists() else None
 
 
 def check_lock_targets(out: str | Path, key_path: str | Path, overwrite: bool = False,
@@ -94,7 +88,7 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
     everything succeeded; if only placing the key fails, the key is kept beside its path and the error
     says where."""
     out, key_path = Path(out), Path(key_path)
-    inputs = [*inputs, _source(model)]
+    inputs = [*inputs, loaded_from(model)]
     check_lock_targets(out, key_path, overwrite, inputs)
     if not hasattr(model, "config"):
         raise MLPSurgeryError("lock_folder writes a transformers checkpoint; for plain PyTorch models use lock_key "
@@ -142,14 +136,6 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
     return result
 
 
-def _task_of(model_class: str) -> str:
-    if model_class.endswith("ForSequenceClassification"):
-        return "classifier"
-    if model_class.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal-lm"
-    return "encoder"
-
-
 def _recorded_original(locked: Path) -> tuple[bool, str | None]:
     """The original model's fingerprint recorded in the locked folder's manifest at lock time: (whether the
     folder records one, its value). Folders locked before it was recorded, or re-saved without a manifest,
@@ -188,7 +174,7 @@ def unlock_folder(locked: str | Path, key_path: str | Path, out: str | Path, pas
     if not (locked / "config.json").exists():
         raise MLPSurgeryError(f"{locked} is not a model folder (no config.json); give the folder written by "
                               "`mlpsurgery lock key --out`")
-    loaded = load_model(locked, task=_task_of(key.header.get("model_class", "")))
+    loaded = load_model(locked)  # the class its manifest or config names: heads are kept
     if type(loaded.model).__name__ != key.header.get("model_class"):
         raise IntegrityError(f"{locked} holds a {type(loaded.model).__name__}, the key was made for a "
                              f"{key.header.get('model_class')}: this key does not belong to this model")

@@ -58,11 +58,18 @@ def classifier_utility(tokenizer, data, max_len: int = 128, batch_size: int = 32
                    "accuracy", True, f"{data.name or 'labelled set'} ({len(data)} examples)", 1 / data.num_classes)
 
 
-def lm_utility(sequences: list[Tensor], block_len: int = 256, max_tokens: int | None = 4096) -> Utility:
-    from ...measure.perplexity import perplexity
+def lm_utility(sequences: list[Tensor], block_len: int | None = None, max_tokens: int | None = 4096,
+               bos_id: int | None = None) -> Utility:
+    """Perplexity on `sequences` in windows of `block_len` (default 256, or the model's context if shorter);
+    bos_id: the tokenizer's BOS when it adds one by default (`corpus.bos`)."""
+    from ...measure.perplexity import default_block_len, perplexity
 
-    return Utility(lambda m: perplexity(m, sequences, block_len=block_len, max_tokens=max_tokens, progress=False).ppl,
-                   "perplexity", False, f"{max_tokens or 'all'} held-out tokens, windows of {block_len}")
+    def ppl(m: nn.Module) -> float:
+        return perplexity(m, sequences, block_len=block_len or default_block_len(m, 256), max_tokens=max_tokens,
+                          progress=False, bos_id=bos_id).ppl
+
+    return Utility(ppl, "perplexity", False,
+                   f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}")
 
 
 def default_utility(model: nn.Module, tokenizer, data: str | None = None, size: int | None = None) -> Utility:
@@ -81,7 +88,7 @@ def default_utility(model: nn.Module, tokenizer, data: str | None = None, size: 
         return classifier_utility(tokenizer, labelled.sample(n, seed=0) if len(labelled) > n else labelled)
     if is_causal_lm(model):
         corpus = load_corpus(data, tokenizer)
-        return lm_utility(corpus.heldout, max_tokens=size or 4096)
+        return lm_utility(corpus.heldout, max_tokens=size or 4096, bos_id=corpus.bos)
     raise MLPSurgeryError(f"{type(model).__name__} has neither a classification head nor a language-model head, so "
                           "there is no utility to calibrate; fine-tune a head first or use --ratio")
 

@@ -1,0 +1,242 @@
+"""What mlpsurgery may write, replace and delete (files.py), and how models are loaded from folders: every
+rule with real folders, a real kill -9 of a save, and heads that must survive a load."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+import mlpsurgery as ms
+from conftest import outputs
+from mlpsurgery.cli import main
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.files import MARKER, atomic_dir, check_out, claim, is_ours, remove_ours
+from mlpsurgery.models import load_model
+from mlpsurgery.tiny import byte_tokenizer, tiny_model
+
+
+def one_line(code, err):
+    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+# ---- ownership and refusals --------------------------------------------------------------------------
+
+def test_overwrite_replaces_only_folders_mlpsurgery_wrote(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(MLPSurgeryError, match="not written by mlpsurgery"):
+        ms.save(tiny_model("llama"), mine, overwrite=True)
+    assert (mine / "thesis.tex").read_text() == "years of work" and not is_ours(mine)
+    out = ms.save(tiny_model("llama"), tmp_path / "m")
+    assert is_ours(out) and json.loads((out / MARKER).read_text())["kind"] == "model"
+    ms.save(tiny_model("gpt2"), out, overwrite=True)  # ours: replaced
+    assert ms.load(out).config.model_type == "gpt2"
+    assert not remove_ours(mine) and mine.exists() and remove_ours(out) and not out.exists()
+
+
+def test_out_may_not_be_hold_or_lie_inside_an_input(tmp_path, capsys):
+    model_dir = ms.save(tiny_model("llama"), tmp_path / "models" / "m", tokenizer=byte_tokenizer())
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    for out in (model_dir, model_dir / "sub", tmp_path / "models", tmp_path):
+        code, _, err = run(capsys, "fuse", model_dir, "--out", out, "--width", "8", "--overwrite", "--quiet")
+        assert one_line(code, err), (out, err)
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    with pytest.raises(MLPSurgeryError, match="is the input"):  # the library refuses it too
+        ms.save(ms.load(model_dir), model_dir, overwrite=True)
+
+
+def test_output_folders_get_the_users_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = ms.save(tiny_model("llama"), tmp_path / "m")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
+
+
+def test_refusals_for_impossible_outputs(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(MLPSurgeryError, match="is a file"):
+        check_out(tmp_path / "f")
+    with pytest.raises(MLPSurgeryError, match="is a file"):
+        check_out(tmp_path / "f" / "below")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(MLPSurgeryError, match="broken symbolic link"):
+        check_out(tmp_path / "link")
+
+
+def test_claim_refuses_another_run_and_unknown_folders(tmp_path):
+    assert claim(tmp_path / "w", "work", {"model": "a", "lr": 1}) is False
+    (tmp_path / "w" / "state").write_text("1")
+    assert claim(tmp_path / "w", "work", {"model": "a", "lr": 1}) is True
+    with pytest.raises(MLPSurgeryError, match="other settings or another model \\(model\\)"):
+        claim(tmp_path / "w", "work", {"model": "b", "lr": 1})
+    with pytest.raises(MLPSurgeryError, match="not of 'attacks'"):
+        claim(tmp_path / "w", "attacks", {"model": "a", "lr": 1})
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "x").write_text("mine")
+    with pytest.raises(MLPSurgeryError, match="did not write"):
+        claim(tmp_path / "u", "work", {})
+
+
+# ---- crashes -----------------------------------------------------------------------------------------
+
+KILLED_SAVE = r"""
+import os, signal, sys, threading
+import mlpsurgery as ms
+from mlpsurgery.tiny import tiny_model
+import mlpsurgery.io as io_mod
+model = tiny_model("llama", seed=int(sys.argv[2]))
+delay = float(sys.argv[3])
+real = io_mod.st_save_model
+def slow(*a, **k):  # a large model: the kill lands while the weights are being written or after
+    real(*a, **k)
+    import time; time.sleep(delay)
+io_mod.st_save_model = slow
+threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+ms.save(model, sys.argv[1], overwrite=True)
+import time; time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2])
+def test_a_save_killed_with_sigkill_leaves_the_old_folder_or_the_new_one(tmp_path, delay):
+    out = tmp_path / "m"
+    ms.save(tiny_model("llama", seed=1), out)
+    old = outputs(ms.load(out), torch.tensor([[1, 2, 3]]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(out), "2", str(delay)], env=env, timeout=120,
+                           capture_output=True)
+        assert r.returncode == -signal.SIGKILL
+        now = outputs(ms.load(out), torch.tensor([[1, 2, 3]]))  # loads, checksums verified: complete
+        assert torch.equal(now, old) or torch.equal(now, outputs(tiny_model("llama", seed=2), torch.tensor([[1, 2, 3]])))
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "m"]
+    assert leftovers or not delay  # killed inside the save: its temporary folder was left behind
+    ms.save(tiny_model("llama", seed=3), tmp_path / "m", overwrite=True)  # the next write cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], leftovers
+
+
+def test_a_displaced_old_folder_is_put_back_when_the_swap_was_cut(tmp_path, monkeypatch):
+    """Where the file system cannot exchange two folders in one step, a kill between the two renames leaves the
+    old folder under a temporary name: the next write of that output puts it back before anything else."""
+    import mlpsurgery.files as files
+
+    out = ms.save(tiny_model("llama", seed=1), tmp_path / "m")
+    ref = outputs(ms.load(out), torch.tensor([[4, 5]]))
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+    calls = []
+
+    def crash_after_first(src, dst):
+        moving_out = Path(src) == out
+        real_replace(src, dst)
+        if moving_out:
+            calls.append(src)
+            raise KeyboardInterrupt  # the process dies right after moving the old folder away
+
+    monkeypatch.setattr(files.os, "replace", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        ms.save(tiny_model("llama", seed=2), out, overwrite=True)
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    assert not out.exists()
+    old = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert len(old) == 1
+    # the process that left it is gone (simulated: its pid is this one, which is allowed to clean its own)
+    files.clean_leftovers(out)
+    assert torch.equal(outputs(ms.load(out), torch.tensor([[4, 5]])), ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_atomic_dir_removes_its_temporary_folder_on_error(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "x") as tmp:
+            (tmp / "half").write_text("1")
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- loading: heads, damaged folders -----------------------------------------------------------------
+
+def test_a_folder_loads_as_the_class_its_config_names(tmp_path, capsys):
+    """A sequence classifier keeps its head (eval acc uses it), a masked LM keeps lm_head through lock + unlock."""
+    cls = tiny_model("bert", task="classifier", num_labels=8)
+    cls.save_pretrained(tmp_path / "cls")
+    byte_tokenizer().save_pretrained(tmp_path / "cls")
+    loaded = load_model(tmp_path / "cls")
+    assert type(loaded.model) is T.BertForSequenceClassification
+    assert torch.equal(loaded.model.classifier.weight, cls.classifier.weight)
+
+    torch.manual_seed(0)
+    mlm = T.RobertaForMaskedLM(tiny_model("roberta").config).eval()
+    mlm.save_pretrained(tmp_path / "mlm")
+    byte_tokenizer().save_pretrained(tmp_path / "mlm")
+    code, _, err = run(capsys, "lock", "key", tmp_path / "mlm", "--out", tmp_path / "locked", "--key",
+                       tmp_path / "k.key", "--ratio", "0.1")
+    assert code == 0, err
+    code, _, err = run(capsys, "unlock", tmp_path / "locked", "--key", tmp_path / "k.key", "--out", tmp_path / "back")
+    assert code == 0, err
+    back = load_model(tmp_path / "back").model
+    assert type(back) is T.RobertaForMaskedLM
+    ref = mlm.state_dict()
+    got = back.state_dict()
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("damage", ["no-config", "bad-json", "no-model-type", "auto-map", "weights-dir",
+                                    "truncated-weights", "fake-gguf", "not-gguf-file"])
+def test_damaged_model_inputs_get_a_one_line_refusal(tmp_path, capsys, damage):
+    folder = tmp_path / "hf"
+    tiny_model("gpt2").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    target = folder
+    if damage == "no-config":
+        (folder / "config.json").unlink()
+    elif damage == "bad-json":
+        (folder / "config.json").write_text("{ not json")
+    elif damage == "no-model-type":
+        cfg.pop("model_type")
+        (folder / "config.json").write_text(json.dumps(cfg))
+    elif damage == "auto-map":
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.X"}
+        (folder / "config.json").write_text(json.dumps(cfg))
+    elif damage == "weights-dir":
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors").mkdir()
+    elif damage == "truncated-weights":
+        w = folder / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif damage == "fake-gguf":
+        target = tmp_path / "model.gguf"
+        target.write_bytes(b"NOTGGUF" + b"\0" * 100)
+    else:
+        target = tmp_path / "weights.bin"
+        target.write_bytes(b"\0" * 10)
+    code, _, err = run(capsys, "eval", "ppl", target, "--max-tokens", "16", "--quiet")
+    assert one_line(code, err), err
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("hf", "model.gguf", "weights.bin")]
+
+
+def test_an_unsupported_architecture_is_one_line(tmp_path, capsys):
+    cfg = T.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=300, d_kv=16)
+    T.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
+    code, _, err = run(capsys, "inspect", tmp_path / "t5")
+    assert one_line(code, err) and "not supported" in err
+    code, _, err = run(capsys, "lock", "dlr", tmp_path / "t5", "--out", tmp_path / "o")
+    assert one_line(code, err) and not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
