@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import outputs
-from mlpsurgery.errors import MLPSurgeryError, NotExportableError
+from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load, replaced_modules, save, subset_model
 from mlpsurgery.methods.twist import (Aggregator, Subnet, TwISTConfig, attn_keep_for, check_subnet_size,
                                       deployment_subnet, generate_blueprint, make_layout, materialize, subnet_hooks,
@@ -85,7 +85,7 @@ def test_kappa_maps_to_kv_groups_as_documented():
 # ---- blocks, masks, extraction --------------------------------------------------------------------
 
 SUBSET_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "bert",
-                "roberta")
+                "roberta", "gpt2", "opt", "phi3")
 
 
 def four_layers(arch, seed=0):
@@ -127,15 +127,15 @@ def test_extracted_subnet_is_the_masked_model_with_scaling(arch, ids):
 
 
 @pytest.mark.parametrize("arch", ("gpt2", "opt", "phi3"))
-def test_heads_that_cannot_go_are_refused_but_mlp_subnets_work(arch, ids):
+def test_heads_narrow_where_the_config_cannot_say_so(arch, ids, tmp_path):
+    # GPT-2 / OPT / Phi-3 attentions split by the config's head count: a layer with fewer heads gets the
+    # registered attention that reads the count off its projections, saved and rebuilt by mlpsurgery.
     m = four_layers(arch)
-    with pytest.raises(NotExportableError, match="cannot hold fewer attention heads"):
-        twist_extract(m, keep=2, blocks=4, parts="attn", attn_keep=1, layers=[1, 2])
-    layout = make_layout(m, "ffn", [1, 2], blocks=4, keep=2)
-    sub = layout.deployment(torch.Generator().manual_seed(0))
-    with subnet_hooks(m, layout, sub):
-        masked = outputs(m, ids)
-    assert torch.allclose(outputs(materialize(m, layout, sub), ids), masked, atol=1e-5, rtol=1e-5)
+    x = twist_extract(m, keep=2, blocks=4, parts="both", attn_keep=1, layers=[1, 2], seed=4)
+    assert [e["class"] for e in replaced_modules(x)].count(find_sites(m).spec.narrow_attn) == 2
+    assert [s.n_kv for s in find_sites(x).attn] == [find_sites(m).attn[0].n_kv, 1, 1, find_sites(m).attn[3].n_kv]
+    save(x, tmp_path / "sub")
+    assert torch.equal(outputs(load(tmp_path / "sub"), ids), outputs(x, ids))
 
 
 def test_uniform_subnet_is_a_plain_transformers_model(tmp_path, ids):
