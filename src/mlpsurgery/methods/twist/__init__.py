@@ -48,7 +48,9 @@ The package, one file per concern:
     hooks.py        masks (an emulated subnet) and the activation shift
     aggregation.py  filling a physical subnet, flat buffers, FedAvg
     config.py       TwISTConfig, data shards and batches, per-round generator and learning rate
-    distributed.py  torch.distributed: process group, counted collectives, shipping structures
+    distributed.py  torch.distributed: process group, rank 0's checks shared with every rank, counted
+                    collectives, shipping structures
+    checkpoint.py   resumable folders: claimed with the settings, model fingerprint and data digest
     training.py     twist_train: the rounds of every mode, checkpoint / resume, the dp baseline
     extraction.py   twist_extract: a random subnet as a physically smaller dense model
 """
@@ -58,7 +60,7 @@ from __future__ import annotations
 from .aggregation import Aggregator, fill_subnet, flatten, shared_parameters, unflatten
 from .blocks import PARTS, Layout, Subnet, make_layout
 from .config import TwISTConfig, make_shards
-from .distributed import Comm, init_distributed
+from .distributed import Comm, init_distributed, on_rank0
 from .extraction import materialize, trained_settings, twist_extract
 from .generator import attn_keep_for, check_subnet_size, deployment_subnet, generate_blueprint
 from .hooks import (Hooks, attn_feature_blocks, gate_inputs, mlp_feature_blocks, scale_outputs,
@@ -68,5 +70,5 @@ from .training import MODES, TwISTResult, twist_train
 __all__ = ["Aggregator", "Comm", "Hooks", "Layout", "MODES", "PARTS", "Subnet", "TwISTConfig", "TwISTResult",
            "attn_feature_blocks", "attn_keep_for", "check_subnet_size", "deployment_subnet", "fill_subnet", "flatten",
            "gate_inputs", "generate_blueprint", "init_distributed", "make_layout", "make_shards", "materialize",
-           "mlp_feature_blocks", "scale_outputs", "shared_parameters", "subnet_hooks", "trained_settings",
+           "mlp_feature_blocks", "on_rank0", "scale_outputs", "shared_parameters", "subnet_hooks", "trained_settings",
            "twist_extract", "twist_train", "unflatten"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +81,39 @@ def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def on_rank0(prepare: Callable[[], Any]) -> Any:
+    """Run rank 0's `prepare` (loading, checks, claims) and tell every rank how it went, before any rank waits on
+    another for work. A refusal on rank 0 is raised on every rank with the same class and message, so each
+    process ends with the one-line error (exit status 2) instead of the others dying on a closed connection.
+    Call it on every rank; the others get None. Without torch.distributed it is just `prepare()`."""
+    import torch.distributed as dist
+
+    from ... import errors
+
+    rank, world = _distributed()
+    if world == 1:
+        return prepare()
+    out = failure = None
+    if rank == 0:
+        try:
+            out = prepare()
+        except BaseException as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
+            failure = e
+    box = [None if failure is None else
+           (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError))]
+    nccl = dist.get_backend() == "nccl"
+    dist.broadcast_object_list(box, src=0, device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        name, message, user = box[0]
+        klass = getattr(errors, name, None) if user else None
+        if not (isinstance(klass, type) and issubclass(klass, MLPSurgeryError)):
+            klass = MLPSurgeryError if user else RuntimeError
+        raise klass(message if user else f"rank 0 failed before training ({name}: {message})")
+    return out
+
+
 def _distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -118,6 +152,14 @@ def _build(structure: dict, device: torch.device) -> nn.Module:
         raise MLPSurgeryError("the rebuilt subnet does not match rank 0's: the ranks run different mlpsurgery or "
                               "transformers versions")
     return model
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """`model`'s structure on the meta device (no memory): for checking that its subnets can be built."""
+    from ...io import rebuild, replaced_modules
+
+    with torch.device("meta"):
+        return rebuild(model.config, type(model).__name__, replaced_modules(model))
 
 
 def _rank_stats(models: list[nn.Module], comm: Comm | None, trained: nn.Module, train_s: float, batches: int

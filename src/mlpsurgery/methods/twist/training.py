@@ -16,11 +16,13 @@ from tqdm.auto import tqdm
 
 from ...errors import MLPSurgeryError
 from ...io import record, subset_model
-from ...train import FitConfig, fit, load_checkpoint, save_checkpoint, step_rng, trainable
+from ...train import FitConfig, fit, save_checkpoint, step_rng, trainable
+from . import checkpoint
 from .aggregation import Aggregator, _params, fill_subnet, flatten, unflatten
 from .blocks import Layout, Subnet
 from .config import TwISTConfig, _batch, _round_generator, _round_lr, make_shards
-from .distributed import Comm, _build, _counting_allreduce, _distributed, _rank_stats, _structure
+from .distributed import (Comm, _build, _counting_allreduce, _distributed, _meta_copy, _rank_stats, _structure,
+                          on_rank0)
 from .hooks import subnet_hooks
 
 MODES = ("masked", "true", "hybrid", "dp")
@@ -80,6 +82,9 @@ def twist_train(model: nn.Module | None, blocks: Tensor | None, cfg: TwISTConfig
     cfg.validate()
     rank, world = _distributed()
     if mode in ("true", "hybrid") and world == 1:
+        if model is not None and blocks is not None:
+            # what cannot work under torchrun either is named now, before the user starts any process
+            _check_twist(model, blocks, cfg, skeleton="meta")
         raise MLPSurgeryError(f"{mode} TwIST runs one process per worker: launch it with `torchrun --nproc-per-node "
                               f"{cfg.workers} -m mlpsurgery twist train ... --mode {mode}` (or initialise "
                               "torch.distributed first); `--mode masked` runs in one process")
@@ -89,27 +94,31 @@ def twist_train(model: nn.Module | None, blocks: Tensor | None, cfg: TwISTConfig
     if world > 1 and world != cfg.workers:
         raise MLPSurgeryError(f"{world} processes were started for S={cfg.workers} workers; start "
                               f"--nproc-per-node {cfg.workers} or pass --workers {world}")
-    if rank == 0:
-        if model is None or blocks is None:
-            raise MLPSurgeryError("rank 0 needs the model and the token blocks")
-        _check_lm(model)
     if mode == "dp":
         return _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback)
     return _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback)
 
 
-def _resume(model: nn.Module, cfg: TwISTConfig, ckpt: Path | None) -> tuple[int, list[dict], float]:
-    state = load_checkpoint(ckpt) if ckpt else None
-    if state is None:
-        return 0, [], 0.0
-    if state.get("config") != asdict(cfg):
-        raise MLPSurgeryError(f"checkpoint {ckpt} belongs to a run with other settings ({state.get('config')}); "
-                              "resume with the same settings or delete it")
-    params = _params(model)
-    with torch.no_grad():
-        for n, t in state["params"].items():
-            params[n].copy_(t)
-    return state["round"], state["history"], state["seconds"]
+def _check_twist(model, blocks, cfg: TwISTConfig, skeleton: str | None = None):
+    """Rank 0, before any rank waits on another and before anything is written: every check that can refuse a
+    TwIST run. Returns (layout, shards, the physical subnet skeleton): skeleton None builds none, "real" the
+    one every rank trains in (any subnet: all have the same shapes), "meta" one on the meta device (a check)."""
+    if model is None or blocks is None:
+        raise MLPSurgeryError("rank 0 needs the model and the token blocks")
+    _check_lm(model)
+    layout = cfg.layout(model)
+    layout.check(cfg.workers)
+    shards = make_shards(blocks, cfg.workers)
+    sub = None
+    if skeleton is not None:
+        first = layout.blueprint(cfg.workers, _round_generator(cfg.seed, 0))[0]
+        sub = subset_model(_meta_copy(model) if skeleton == "meta" else model, *layout.subset_args(first))
+    return layout, shards, sub
+
+
+def _claim(ckpt: Path | None, cfg: TwISTConfig, algorithm: str, model, blocks) -> None:
+    if ckpt is not None:
+        checkpoint.claim(ckpt, cfg, algorithm, model, blocks)
 
 
 class _Run:
@@ -121,12 +130,17 @@ class _Run:
         self.ckpt = Path(checkpoint_dir) if checkpoint_dir else None
         self.comm = self.sub = None
         self.train_s, self.batches = 0.0, 0
+
+        def prepare():  # rank 0: checks, then the claim of the checkpoint folder (the first thing written)
+            checked = _check_twist(model, blocks, cfg, skeleton="real" if self.world > 1 else None)
+            _claim(self.ckpt, cfg, "twist", model, blocks)
+            return checked
+
+        prepared = on_rank0(prepare)
         if self.rank == 0:
             self.device = next(model.parameters()).device
-            self.layout = cfg.layout(model)
-            self.layout.check(self.S)
-            self.shards = make_shards(blocks, self.S)
-            self.start, self.history, self.elapsed = _resume(model, cfg, self.ckpt)
+            self.layout, self.shards, self.sub = prepared
+            self.start, self.history, self.elapsed = checkpoint.resume(model, self.ckpt)
         else:
             nccl = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
             self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}" if nccl else "cpu")
@@ -134,9 +148,6 @@ class _Run:
         if self.world > 1:
             self.comm = Comm(self.device)
             if self.rank == 0:
-                # every subnet has the same shapes: any one is the skeleton each rank trains in
-                first = self.layout.blueprint(self.S, _round_generator(cfg.seed, 0))[0]
-                self.sub = subset_model(model, *self.layout.subset_args(first))
                 self.comm.broadcast_object({"structure": _structure(self.sub), "layout": asdict(self.layout),
                                             "start": self.start})
             else:
@@ -218,9 +229,10 @@ class _Run:
                "seconds": time.perf_counter() - started, "time_s": time.perf_counter() - t0}
         self.history.append(rec)
         if self.ckpt is not None:
-            save_checkpoint(self.ckpt, {"config": asdict(self.cfg), "round": r + 1, "history": self.history,
-                                        "seconds": time.perf_counter() - t0,
-                                        "params": {n: p.detach() for n, p in _params(self.model).items()}})
+            save_checkpoint(checkpoint.state_dir(self.ckpt), {
+                "config": asdict(self.cfg), "round": r + 1, "history": self.history,
+                "seconds": time.perf_counter() - t0,
+                "params": {n: p.detach() for n, p in _params(self.model).items()}})
         return rec
 
     def rank_stats(self) -> list[dict]:
@@ -278,8 +290,17 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
                    schedule=cfg.schedule, clip=cfg.clip, seed=cfg.seed, log_every=cfg.interval,
                    checkpoint_every=cfg.interval)
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
-    if world == 1:
+
+    def prepare():  # rank 0: checks, then the claim (the first thing written)
+        if model is None or blocks is None:
+            raise MLPSurgeryError("rank 0 needs the model and the token blocks")
+        _check_lm(model)
         shards = make_shards(blocks, S)
+        _claim(ckpt, cfg, "data-parallel", model, blocks)
+        return shards
+
+    shards = on_rank0(prepare)
+    if world == 1:
         device = next(model.parameters()).device
 
         def loss_fn(t: int) -> Tensor:
@@ -287,7 +308,8 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
             return model(input_ids=batch, labels=batch, use_cache=False).loss
 
         model.train()
-        res = fit(trainable(model), loss_fn, fc, checkpoint_dir=ckpt, progress=progress, desc="data parallel")
+        res = fit(trainable(model), loss_fn, fc, checkpoint_dir=checkpoint.state_dir(ckpt) if ckpt else None,
+                  progress=progress, desc="data parallel")
         stats = _rank_stats([model], None, model, res.seconds, cfg.steps * S)
         ranks = [dict(stats, rank=0)]
     else:
@@ -297,7 +319,7 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
             device = next(model.parameters()).device
             comm = Comm(device)
             comm.broadcast_object(_structure(model))
-            shard = comm.send_blocks(make_shards(blocks, S))
+            shard = comm.send_blocks(shards)
         else:
             device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") if \
                 torch.distributed.get_backend() == "nccl" else torch.device("cpu")
@@ -313,7 +335,7 @@ def _train_dp(model, blocks, cfg, checkpoint_dir, progress, callback) -> TwISTRe
             batch = _batch(shard, cfg, t, rank).to(device)
             return ddp(input_ids=batch, labels=batch, use_cache=False).loss
 
-        res = fit(trainable(model), loss_fn, fc, checkpoint_dir=ckpt / f"rank{rank}" if ckpt else None,
+        res = fit(trainable(model), loss_fn, fc, checkpoint_dir=checkpoint.state_dir(ckpt, rank) if ckpt else None,
                   progress=progress and rank == 0, desc="DDP")
         stats = _rank_stats([model], comm, model, res.seconds, cfg.steps)
         # ring all-reduce: each rank sends and receives 2(S-1)/S of every bucket
