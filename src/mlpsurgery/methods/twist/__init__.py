@@ -40,7 +40,14 @@ within a round (the schedule, constant by default, is read at the round's first 
 Deployment (`twist_extract`): one random subnet at kappa = X / R (C plus random blocks, seeded, no data),
 built as a physically smaller dense model through `mlpsurgery.io.subset_model`, the scale folded in.
 For attention, kappa maps to max(1, round(kappa * KV groups)) groups (SmolLM2: 3 groups, so 8/12 and
-6/12 keep 2 of 3, 4/12 and 3/12 keep 1 of 3) unless `attn_keep` says otherwise.
+6/12 keep 2 of 3, 4/12 and 3/12 keep 1 of 3) unless `attn_keep` says otherwise. Where the stock attention
+takes its head count from the config (GPT-2, OPT, Phi-3), a layer with fewer heads gets the registered
+attention of `modules/attention.py`, whose count follows its projections: the same physical subnets train in
+true / hybrid mode and are extracted, saved and reloaded like any other.
+
+Refusals come before work: rank 0 checks the layout, builds the subnet skeleton and claims the checkpoint
+folder (settings, model fingerprint, data digest: checkpoint.py) and tells every rank the outcome before any
+waits for work (distributed.on_rank0), so each process ends with the same one-line error and nothing is written.
 
 The package, one file per concern:
     generator.py    Algorithm 1 and the deployment draw (block indices per layer)
