@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import outputs
-from mlpsurgery.errors import MLPSurgeryError, NotExportableError
+from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load, replaced_modules, save, subset_model
 from mlpsurgery.methods.twist import (Aggregator, Subnet, TwISTConfig, attn_keep_for, check_subnet_size,
                                       deployment_subnet, generate_blueprint, make_layout, materialize, subnet_hooks,
@@ -85,7 +85,7 @@ def test_kappa_maps_to_kv_groups_as_documented():
 # ---- blocks, masks, extraction --------------------------------------------------------------------
 
 SUBSET_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "bert",
-                "roberta")
+                "roberta", "gpt2", "opt", "phi3")
 
 
 def four_layers(arch, seed=0):
@@ -127,15 +127,15 @@ def test_extracted_subnet_is_the_masked_model_with_scaling(arch, ids):
 
 
 @pytest.mark.parametrize("arch", ("gpt2", "opt", "phi3"))
-def test_heads_that_cannot_go_are_refused_but_mlp_subnets_work(arch, ids):
+def test_heads_narrow_where_the_config_cannot_say_so(arch, ids, tmp_path):
+    # GPT-2 / OPT / Phi-3 attentions split by the config's head count: a layer with fewer heads gets the
+    # registered attention that reads the count off its projections, saved and rebuilt by mlpsurgery.
     m = four_layers(arch)
-    with pytest.raises(NotExportableError, match="cannot hold fewer attention heads"):
-        twist_extract(m, keep=2, blocks=4, parts="attn", attn_keep=1, layers=[1, 2])
-    layout = make_layout(m, "ffn", [1, 2], blocks=4, keep=2)
-    sub = layout.deployment(torch.Generator().manual_seed(0))
-    with subnet_hooks(m, layout, sub):
-        masked = outputs(m, ids)
-    assert torch.allclose(outputs(materialize(m, layout, sub), ids), masked, atol=1e-5, rtol=1e-5)
+    x = twist_extract(m, keep=2, blocks=4, parts="both", attn_keep=1, layers=[1, 2], seed=4)
+    assert [e["class"] for e in replaced_modules(x)].count(find_sites(m).spec.narrow_attn) == 2
+    assert [s.n_kv for s in find_sites(x).attn] == [find_sites(m).attn[0].n_kv, 1, 1, find_sites(m).attn[3].n_kv]
+    save(x, tmp_path / "sub")
+    assert torch.equal(outputs(load(tmp_path / "sub"), ids), outputs(x, ids))
 
 
 def test_uniform_subnet_is_a_plain_transformers_model(tmp_path, ids):
@@ -241,14 +241,45 @@ def test_resume_equals_uninterrupted(tmp_path):
     b = four_layers("llama")
     with pytest.raises(KeyboardInterrupt):
         twist_train(b, blocks_of(), cfg, checkpoint_dir=tmp_path / "ck", progress=False, callback=stop)
-    c = four_layers("llama", seed=7)  # a fresh process: another init, restored from the checkpoint
+    c = four_layers("llama")  # a fresh process: the same starting model, weights restored from the checkpoint
     res = twist_train(c, blocks_of(), cfg, checkpoint_dir=tmp_path / "ck", progress=False)
     assert res.resumed_from == 2 and len(res.history) == 3
     for pa, pc in zip(a.parameters(), c.parameters()):
         assert torch.equal(pa, pc)
-    with pytest.raises(MLPSurgeryError, match="other settings"):
-        twist_train(c, blocks_of(), TwISTConfig(**{**cfg.__dict__, "keep": 3}), checkpoint_dir=tmp_path / "ck",
-                    progress=False)
+
+
+def test_resume_with_other_settings_model_or_data_is_refused(tmp_path):
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=1, steps=2, batch_size=2, lr=1e-3, shared_first=1,
+                      shared_last=1)
+
+    def stop(rec):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        twist_train(four_layers("llama"), blocks_of(), cfg, checkpoint_dir=tmp_path / "ck", progress=False,
+                    callback=stop)
+    saved = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    other = TwISTConfig(**{**cfg.__dict__, "keep": 3})
+    for what, model, blocks, c, mode in (("keep", four_layers("llama"), blocks_of(), other, "masked"),
+                                         ("model", four_layers("llama", seed=7), blocks_of(), cfg, "masked"),
+                                         ("data", four_layers("llama"), blocks_of(seed=1), cfg, "masked"),
+                                         ("algorithm", four_layers("llama"), blocks_of(), cfg, "dp")):
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(MLPSurgeryError, match=rf"other settings or another model \({what}\)"):
+            twist_train(model, blocks, c, mode=mode, checkpoint_dir=tmp_path / "ck", progress=False)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # nothing loaded or trained
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == saved  # nor written
+
+
+def test_a_folder_mlpsurgery_did_not_write_is_refused_and_kept(tmp_path):
+    mine = tmp_path / "ck"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=1, steps=1, shared_first=1, shared_last=1)
+    for mode in ("masked", "dp"):
+        with pytest.raises(MLPSurgeryError, match="did not write"):
+            twist_train(four_layers("llama"), blocks_of(), cfg, mode=mode, checkpoint_dir=mine, progress=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 def test_training_errors_come_before_any_work():
@@ -257,7 +288,12 @@ def test_training_errors_come_before_any_work():
         twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=1, shared_first=1, shared_last=1),
                     progress=False)
     with pytest.raises(MLPSurgeryError, match="torchrun"):
-        twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=2), mode="true", progress=False)
+        twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=2, shared_first=1, shared_last=1),
+                    mode="true", progress=False)
+    # without torchrun, a layout that could not work under it either is named first (not "launch torchrun")
+    with pytest.raises(MLPSurgeryError, match="cannot cover every block"):
+        twist_train(m, blocks_of(), TwISTConfig(workers=2, blocks=4, keep=1, shared_first=1, shared_last=1),
+                    mode="hybrid", progress=False)
     with pytest.raises(MLPSurgeryError, match="no layer is partitioned"):
         twist_train(tiny_model("llama"), blocks_of(), TwISTConfig(workers=2, blocks=4, keep=2), progress=False)
     with pytest.raises(MLPSurgeryError, match="causal language models"):
@@ -286,3 +322,43 @@ def test_cli_train_extract(tmp_path, capsys):
     code = main(["twist", "train", "tiny:llama", "--out", str(tmp_path / "x"), "--workers", "3", "--blocks", "4",
                  "--keep", "1", "--shared-first", "0", "--shared-last", "0", "--data", str(text)])
     assert code == 2 and "cannot cover every block" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_cli_resumes_its_own_checkpoint_and_refuses_others(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.data import load_corpus
+    from mlpsurgery.tiny import byte_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 60)
+    args = ["--out", str(tmp_path / "tw"), "--workers", "2", "--blocks", "4", "--keep", "2", "--steps", "4",
+            "--interval", "2", "--shared-first", "0", "--shared-last", "1", "--data", str(text), "--block-len", "32",
+            "--json", "--quiet"]
+    # a run of the same command stopped after its first round (the library call the command makes)
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, steps=4, interval=2, shared_first=0, shared_last=1)
+
+    def stop(rec):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        twist_train(tiny_model("llama"), load_corpus(str(text), byte_tokenizer()).blocks("train", 32), cfg,
+                    checkpoint_dir=tmp_path / "tw.checkpoint", progress=False, callback=stop)
+    # another model, or other settings: refused, the checkpoint kept as it was, nothing written
+    for model, extra, why in (("tiny:qwen2", [], "(model)"), ("tiny:llama", ["--lr", "1e-3"], "(lr)")):
+        assert main(["twist", "train", model, *args, *extra]) == 2
+        assert why in capsys.readouterr().err and not (tmp_path / "tw").exists()
+        assert (tmp_path / "tw.checkpoint" / "state" / "state.json").is_file()
+    # the same command resumes at round 2 and removes the checkpoint once the model is saved
+    assert main(["twist", "train", "tiny:llama", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_from_round"] == 1
+    assert not (tmp_path / "tw.checkpoint").exists() and (tmp_path / "tw").is_dir()
+    # a checkpoint folder the user filled is refused before any work and never deleted
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    args[1] = str(tmp_path / "tw2")
+    assert main(["twist", "train", "tiny:llama", *args, "--checkpoint", str(mine)]) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and not (tmp_path / "tw2").exists()
+    assert main(["twist", "train", "tiny:llama", *args, "--checkpoint", str(tmp_path / "tw2" / "ck")]) == 2
+    assert "overlap" in capsys.readouterr().err and not (tmp_path / "tw2").exists()

@@ -66,3 +66,121 @@ def test_ddp_equals_its_one_process_emulation(tmp_path):
     ddp = load(torchrun(tmp_path, "dp"))
     for a, b in zip(one.parameters(), ddp.parameters()):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ---- GPT-2 and OPT (attention that takes its head count from the config) -------------------------------
+# Real gloo processes, forked from the test process instead of started by torchrun: each rank runs the same
+# `mlpsurgery twist train` that torchrun would run, with the environment torchrun would give it, and starts in
+# well under a second instead of re-importing torch and transformers (the torchrun path itself is tested above).
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom, the age of foolishness. " * 30
+
+
+def _child(rank: int, world: int, port: int, argv: list[str], log: str) -> None:
+    torch.set_num_threads(1)  # a forked OpenMP pool is not usable; one thread never touches it
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(fd, "w", closefd=False)  # not pytest's capture objects
+    code = 1
+    try:
+        from mlpsurgery.cli import main
+
+        code = main(argv)
+    except BaseException:  # noqa: BLE001 - the traceback goes to the rank's log
+        import traceback
+
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def ranks(tmp_path, argv: list[str], world: int = 2, timeout: float = 120) -> list[tuple[int, str]]:
+    """Run `mlpsurgery ARGV` as `world` torch.distributed ranks (gloo); (exit code, output) per rank."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, argv, logs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} hung"
+    return [(p.exitcode, open(log).read()) for p, log in zip(procs, logs)]
+
+
+def train_args(tmp_path, arch: str, mode: str, parts: str, out: str, *extra: str) -> list[str]:
+    (tmp_path / "t.txt").write_text(TEXT)
+    return ["twist", "train", f"tiny:{arch}", "--workers", "2", "--blocks", "4", "--keep", "2", "--parts", parts,
+            "--steps", "3", "--interval", "3", "--lr", "1e-3", "--shared-first", "0", "--shared-last", "1",
+            "--block-len", "32", "--data", str(tmp_path / "t.txt"), "--mode", mode, "--out", out, "--quiet", *extra]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch,mode,parts", [("gpt2", "true", "both"), ("gpt2", "hybrid", "attn"),
+                                             ("opt", "true", "attn"), ("opt", "hybrid", "both")])
+def test_gpt2_and_opt_train_physical_subnets_and_extract_with_defaults(tmp_path, arch, mode, parts):
+    from mlpsurgery.cli import main
+    from mlpsurgery.data import load_corpus
+    from mlpsurgery.io import replaced_modules
+    from mlpsurgery.methods.twist import twist_extract
+    from mlpsurgery.tiny import byte_tokenizer
+
+    out = str(tmp_path / "tw")
+    results = ranks(tmp_path, train_args(tmp_path, arch, mode, parts, out))
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    trained = load(out)
+    assert trained._mlpsurgery_history[-1]["provenance"]["mode"] == mode
+    assert not (tmp_path / "tw.checkpoint").exists()  # removed after success
+    # the worker held a physically narrower attention (2 of 4 heads): the same function as masked TwIST
+    masked = tiny_model(arch)
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, parts=parts, steps=3, interval=3, batch_size=2, lr=1e-3,
+                      shared_first=0, shared_last=1)
+    twist_train(masked, load_corpus(str(tmp_path / "t.txt"), byte_tokenizer()).blocks("train", 32), cfg,
+                progress=False)
+    for (name, a), b in zip(masked.named_parameters(), trained.parameters()):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (name, (a - b).abs().max())
+    # `twist extract` with its defaults (the trained settings): fewer heads in layer 0, saved and reloaded
+    assert main(["twist", "extract", out, "--keep", "2", "--out", str(tmp_path / "sub"), "--quiet"]) == 0
+    sub = load(tmp_path / "sub")
+    assert [e["path"].split(".")[-1] for e in replaced_modules(sub)][0] in ("attn", "self_attn", "fc1", "c_fc")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        again = twist_extract(trained, keep=2).eval()
+        assert torch.equal(sub(ids).logits, again(ids).logits)
+
+
+@pytest.mark.distributed
+def test_refusals_reach_every_rank_before_work_and_write_nothing(tmp_path):
+    from mlpsurgery.cli import main
+
+    out = tmp_path / "tw"
+    # an impossible layout is named without torchrun (before the user starts any process) ...
+    bad = train_args(tmp_path, "gpt2", "true", "both", str(out), "--keep", "1")
+    assert main(bad) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+    # ... and under it every rank ends with the same one-line error, none on a closed connection
+    for code, log in ranks(tmp_path, bad):
+        assert code == 2 and log.strip().splitlines()[-1].startswith("mlpsurgery: error: attention KV groups "
+                                                                     "(layer 0): S=2 subnets of N_sub=1")
+    # a checkpoint folder the user filled is refused on every rank and kept as it was
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    for mode in ("true", "dp"):
+        for code, log in ranks(tmp_path, train_args(tmp_path, "opt", mode, "both", str(out), "--checkpoint",
+                                                    str(mine))):
+            assert code == 2 and "mlpsurgery did not write" in log.strip().splitlines()[-1]
+    assert not out.exists() and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

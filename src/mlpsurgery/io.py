@@ -469,8 +469,9 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
     fewer heads / a smaller intermediate size, so plain `from_pretrained` loads what `save` writes. Otherwise it
     is the stock class with narrower projections in the reduced layers (`save` records them, `load` rebuilds
     them). A model on the meta device gives a model on the meta device (a skeleton for `to_empty`).
-    Raises NotExportableError where the architecture cannot hold fewer heads (its attention takes the head
-    count from the config: gpt2 and opt always, phi3 unless every layer keeps the same number).
+    Where the stock attention takes its head count from the config (gpt2, opt, phi3: `ArchSpec.narrow_attn`)
+    and the config cannot state the layer's count, a layer with fewer heads gets the registered attention
+    whose head count follows its projections (modules/attention.py); `save` records it, `load` rebuilds it.
     """
     from .sites import find_sites
 
@@ -530,9 +531,13 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
             if not any(k.startswith(p) for p in rewritten):
                 v.copy_(src_state[k])
     new_sites = find_sites(new)
+    new_path = {id(m): p for p, m in new.named_modules()}
     for i, g in groups.items():
         site = new_sites.attn[i]
-        if site.n_kv != len(g):
+        if site.n_kv != len(g) and spec.narrow_attn:  # the stock attention would split by the config's count
+            parent, _, name = new_path[id(site.module)].rpartition(".")
+            setattr(new.get_submodule(parent), name, MODULES[spec.narrow_attn].narrowed(site.module, len(g)))
+        elif site.n_kv != len(g):
             n_kv = site.n_kv
             for role, mod in site.linears().items():
                 if type(mod) is not nn.Linear:
@@ -545,7 +550,8 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
                     fan_out = fan_out // n_kv * len(g)
                 site.replace_linear(role, nn.Linear(fan_in, fan_out, bias=mod.bias is not None,
                                                     device=mod.weight.device, dtype=mod.weight.dtype))
-        site.write(sites.attn[i].read().select_groups(g))
+        if param.device.type != "meta":  # a skeleton has no values to move (nor can meta group indices be read)
+            site.write(sites.attn[i].read().select_groups(g))
     for i, n in neurons.items():
         new_sites.mlp[i].write(sites.mlp[i].read().select(n))
     new._mlpsurgery_history = history(model)

@@ -196,9 +196,13 @@ class ArchSpec:
     attn_norm: str | None = "input_layernorm"
     embeddings: tuple[str, ...] = ("embed_tokens",)  # paths from the base model
     final_norm: str | None = "norm"
-    # A layer may hold a subset of the heads (narrower projections): the attention forward infers the
-    # head count from the projection widths. False where it takes the count from the config.
+    # A layer may hold a subset of the heads (narrower projections); the sites read every layer's head count
+    # off its projection widths. (Every supported architecture can; gpt2, opt and phi3 through narrow_attn.)
     heads_per_layer: bool = True
+    # Where the stock attention takes its head count from the config (gpt2, opt, phi3), a layer holding fewer
+    # heads gets this registered module instead (modules/attention.py: the stock class, its head count read
+    # off its own projections); None where the stock attention already infers it from its projections.
+    narrow_attn: str | None = None
     # A config with fewer heads keeps head_dim (the config carries head_dim apart from hidden_size / heads).
     heads_in_config: bool = True
 
@@ -224,11 +228,13 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                                        pre_norm="pre_feedforward_layernorm",
                                        inner_post_norm="post_feedforward_layernorm", norm_plus_one=True),
     "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
-                                q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks", heads_per_layer=False),
+                                q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks",
+                                narrow_attn="NarrowPhi3Attention"),
     "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
                      act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",
-                     embeddings=("wte", "wpe"), final_norm="ln_f", heads_per_layer=False, heads_in_config=False),
+                     embeddings=("wte", "wpe"), final_norm="ln_f", heads_in_config=False,
+                     narrow_attn="NarrowGPT2Attention"),
     "gpt_neox": ArchSpec(name="gpt_neox", layers="layers", up="dense_h_to_4h", gate=None, down="dense_4h_to_h",
                          act="act", pre_norm="post_attention_layernorm", attn="attention", q=None, k=None, v=None,
                          o="dense", qkv="query_key_value", qkv_layout="neox", embeddings=("embed_in",),
@@ -237,7 +243,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                     act="activation_fn", act_keys=("activation_function",), pre_norm="final_layer_norm",
                     o="out_proj", attn_norm="self_attn_layer_norm",
                     embeddings=("decoder.embed_tokens", "decoder.embed_positions"), final_norm="decoder.final_layer_norm",
-                    heads_per_layer=False, heads_in_config=False),
+                    heads_in_config=False, narrow_attn="NarrowOPTAttention"),
     "bert": ArchSpec(name="bert", layers="encoder.layer", decoder=False, mlp_layout="bert", mlp="",
                      up="intermediate.dense", gate=None, down="output.dense", act="intermediate.intermediate_act_fn",
                      pre_norm=None, outer_post_norm="output.LayerNorm", attn="attention",
@@ -561,24 +567,36 @@ class AttnSite:
         return _get(self.layer, self.spec.attn)
 
     @property
+    def _group_size(self) -> int:
+        """Query heads per KV group, from the config (a subset keeps whole groups, so it never changes)."""
+        return self.config.num_attention_heads // (getattr(self.config, "num_key_value_heads", None)
+                                                    or self.config.num_attention_heads)
+
+    @property
     def n_heads(self) -> int:
         """Query heads of this layer: read off the projection widths where a layer may hold a subset of the
-        heads (ArchSpec.heads_per_layer), else the config's count."""
+        heads (ArchSpec.heads_per_layer), else (or where a projection is not a plain linear) the config's."""
         s = self.spec
-        width = self._out_width(s.q) if s.q else None
-        if s.qkv_layout == "neox":
-            width = self._out_width(s.qkv)
-            width = width // 3 if width else None
+        if s.qkv:
+            kv = self._fused_kv()
+            return kv * self._group_size if kv else self.config.num_attention_heads
+        width = self._out_width(s.q)
         return width // self.head_dim if width else self.config.num_attention_heads
 
     @property
     def n_kv(self) -> int:
-        width = self._out_width(self.spec.k) if self.spec.k else None
-        if width:
-            return width // self.head_dim
-        if self.spec.qkv_layout == "neox":
-            return self.n_heads
-        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        if self.spec.qkv:
+            kv = self._fused_kv()
+        else:
+            width = self._out_width(self.spec.k)
+            kv = width // self.head_dim if width else None
+        return kv or getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+
+    def _fused_kv(self) -> int | None:
+        """KV groups of a fused qkv projection from its width: (group_size + 2) * hd rows per group (q heads,
+        k, v; GPT-2's [q|k|v] and GPT-NeoX's per-head layouts have group size 1, so 3 * hd)."""
+        width = self._out_width(self.spec.qkv)
+        return width // ((self._group_size + 2) * self.head_dim) if width else None
 
     @property
     def head_dim(self) -> int:
@@ -589,7 +607,9 @@ class AttnSite:
         if not self.spec.heads_per_layer:
             return None
         mod = self._part(name)
-        return mod.out_features if isinstance(mod, nn.Linear) else None
+        if isinstance(mod, nn.Linear):
+            return mod.out_features
+        return mod.weight.shape[1] if isinstance(mod, Conv1D) else None  # Conv1D stores (in, out)
 
     @property
     def d(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from ..errors import MLPSurgeryError
@@ -21,11 +20,22 @@ def _ints(text: str | None) -> list[int]:
         raise MLPSurgeryError(f"{text!r} is not a comma-separated list of block indices (e.g. 0,3)") from None
 
 
-def _free_out(out: str, overwrite: bool) -> None:
+def _free_out(out: str, overwrite: bool, inputs=()) -> None:
     """Refuse an occupied --out before hours of training, not after."""
     from ..io import check_out
 
-    check_out(out, overwrite)
+    check_out(out, overwrite, inputs)
+
+
+def _check_checkpoint(ckpt: Path, out: str, inputs) -> None:
+    """The checkpoint folder may not be, hold or lie in --out (saving --out would replace it) or an input."""
+    from .. import files
+
+    a, b = Path(os.path.abspath(ckpt)), Path(os.path.abspath(out))
+    if a == b or a in b.parents or b in a.parents:
+        raise MLPSurgeryError(f"the checkpoint folder {ckpt} and --out {out} overlap; give --checkpoint a folder "
+                              "outside --out")
+    files.check_apart(ckpt, inputs, what="the checkpoint folder")
 
 
 # ---- twist train ------------------------------------------------------------------------------------
@@ -33,9 +43,10 @@ def _free_out(out: str, overwrite: bool) -> None:
 def run_train(args) -> dict:
     import torch
 
+    from .. import files
     from ..data import load_corpus
     from ..io import save
-    from ..methods.twist import TwISTConfig, init_distributed, twist_train
+    from ..methods.twist import TwISTConfig, init_distributed, on_rank0, twist_train
 
     cfg = TwISTConfig(workers=args.workers, blocks=args.blocks, keep=args.keep, attn_keep=args.attn_keep,
                       parts=args.parts, shared_first=args.shared_first, shared_last=args.shared_last,
@@ -44,7 +55,7 @@ def run_train(args) -> dict:
                       seed=args.seed)
     device = device_of(args)
     rank, world = (0, 1)
-    if args.mode != "masked":
+    if args.mode != "masked" or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # masked under torchrun: refused below
         if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
@@ -52,26 +63,32 @@ def run_train(args) -> dict:
     ckpt = Path(args.checkpoint) if args.checkpoint else Path(args.out).with_name(Path(args.out).name + ".checkpoint")
     if args.no_checkpoint:
         ckpt = None
-    model = blocks = loaded = None
-    if rank == 0:
-        _free_out(args.out, args.overwrite)
+    inputs = [args.model, args.data]
+
+    def prepare():  # rank 0; a refusal here reaches every rank (on_rank0) before any waits for work
+        _free_out(args.out, args.overwrite, inputs)
+        if ckpt is not None:
+            _check_checkpoint(ckpt, args.out, inputs)
         loaded = _load(args)
         loaded.model.to(device)
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.max_blocks,
                                seed=args.seed if args.max_blocks else None)
-        model = loaded.model
+        return loaded, blocks
+
+    loaded, blocks = on_rank0(prepare) or (None, None)
+    model = loaded.model if loaded is not None else None
     # TwIST checkpoints on rank 0 (the central model); DDP ranks each keep their own copy
     own = ckpt if rank == 0 or args.mode == "dp" else None
     res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=own, progress=not args.quiet)
     if rank != 0:
         return {"rank": rank, **res.ranks[0]} if res.ranks else {"rank": rank}
     model.eval()
-    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite,
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs,
          extra={"twist_history": res.history, "twist_ranks": res.ranks, "twist_seconds": res.seconds,
                 "twist_mode": args.mode, "world_size": world})
     if ckpt is not None:
-        shutil.rmtree(ckpt, ignore_errors=True)
+        files.remove_ours(ckpt)  # only the folder twist_train claimed (marked); never one it refused
     return {"out": args.out, "model": loaded.source, "mode": args.mode, "workers": cfg.workers, "world_size": world,
             "kappa": f"{cfg.keep}/{cfg.blocks}", "parts": cfg.parts, "rounds": res.rounds, "steps": res.steps,
             "resumed_from_round": res.resumed_from, "seconds": res.seconds, "data_blocks": list(blocks.shape),
@@ -121,7 +138,8 @@ def run_extract(args) -> dict:
 def render_extract(r: dict) -> str:
     c = r["config"]
     how = ("a stock model: plain transformers from_pretrained loads it" if r["plain_transformers"] else
-           "layer widths differ (shared layers whole): load it with mlpsurgery.load")
+           "no stock transformers config states this structure (layer widths differ where shared layers stay "
+           "whole; GPT-2 / OPT attention with fewer heads): load it with mlpsurgery.load")
     return (f"subnet kappa {c['keep']}/{c['blocks']} ({c['parts']}, seed {r['seed']}) of {r['from']}: "
             f"{human_count(r['params_before'])} -> {human_count(r['params_after'])} parameters (attention "
             f"{human_count(r['attention_params'][0])} -> {human_count(r['attention_params'][1])}, MLP "
@@ -188,7 +206,8 @@ def register(sub, groups) -> None:
     p.add_argument("--common-attn", help="common set C of KV groups, e.g. 0 (default: none)")
     p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun resumes from it)")
+    p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun with the same model, "
+                   "data and settings resumes from it, anything else is refused; removed after success)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
     p.add_argument("--overwrite", action="store_true")
 

@@ -75,4 +75,4 @@ def module_config(mod: nn.Module) -> dict[str, Any]:
 
 
 # Importing the module files registers their classes.
-from . import dense, dlr, fused, nested  # noqa: E402,F401
+from . import attention, dense, dlr, fused, nested  # noqa: E402,F401

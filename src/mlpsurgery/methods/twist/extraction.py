@@ -1,0 +1,72 @@
+"""Deployment: one random subnet cut out as a physically smaller dense model, the activation shift folded into
+its output projections (no data, no search)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...io import history as method_history
+from ...io import record, subset_model
+from ...sites import find_sites
+from .blocks import Layout, Subnet, make_layout
+from .config import TwISTConfig
+
+
+def trained_settings(model: nn.Module) -> dict:
+    """The TwIST / data-parallel settings recorded in the model's history (the last run), or {}."""
+    for entry in reversed(method_history(model)):
+        if entry.get("method") in ("twist", "data-parallel"):
+            return dict(entry.get("config", {}))
+    return {}
+
+
+def _scale_output(site, weight: str, bias: str, f: float) -> None:
+    """Multiply a site's output projection (`weight` and `bias` of its canonical weights) by f, in place."""
+    if f == 1.0:
+        return
+    w = site.read()
+    getattr(w, weight).mul_(f)
+    if getattr(w, bias) is not None:
+        getattr(w, bias).mul_(f)
+    site.write(w)
+
+
+def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool = True) -> nn.Module:
+    """The physically smaller dense model of `subnet`, sqrt(N_full/N_sub) folded into the output projections."""
+    new = subset_model(model, *layout.subset_args(subnet))
+    if rescale:
+        sites = find_sites(new)
+        for i in subnet.attn:
+            _scale_output(sites.attn[i], "o", "o_bias", layout.attn_scale(i))
+        for i in subnet.mlp:
+            _scale_output(sites.mlp[i], "down", "down_bias", layout.mlp_scale())
+    return new
+
+
+def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts: str | None = None,
+                  attn_keep: int | None = None, layers=None, shared_first: int | None = None,
+                  shared_last: int | None = None, seed: int = 0, rescale: bool = True) -> nn.Module:
+    """Deploy one random subnet at kappa = keep / blocks as a physically smaller dense model (no data, no search).
+
+    Unset settings come from the model's TwIST (or data-parallel) training record, else TwISTConfig's defaults:
+    R = blocks, parts, shared first / last layers (or an explicit `layers` list), the common sets. The subnet
+    holds C plus random blocks drawn with `seed`. Where every layer ends with the same widths the result is a
+    stock transformers model; with shared layers kept whole it is saved and reloaded through mlpsurgery.save/load.
+    """
+    trained = trained_settings(model)
+    base = TwISTConfig(**{k: v for k, v in trained.items() if k in TwISTConfig.__dataclass_fields__})
+    blocks = blocks or base.blocks
+    parts = parts or base.parts
+    n_layers = len(find_sites(model))
+    if layers is None:
+        first = base.shared_first if shared_first is None else shared_first
+        last = base.shared_last if shared_last is None else shared_last
+        layers = list(range(first, n_layers - last))
+    layout = make_layout(model, parts, layers, blocks, keep, attn_keep, base.common_attn, base.common_ffn)
+    subnet = layout.deployment(torch.Generator().manual_seed(seed))
+    new = materialize(model, layout, subnet, rescale=rescale)
+    record(new, "twist-extract", {"keep": keep, "blocks": blocks, "parts": parts, "attn_keep": attn_keep,
+                                  "layers": layers, "rescale": rescale},
+           seed=seed, subnet=subnet.as_dict())
+    return new
