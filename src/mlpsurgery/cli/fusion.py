@@ -22,9 +22,14 @@ def run_fuse(args) -> dict:
     from ..methods.fusion import FusionConfig, fuse
     from ..models import load_model
 
+    from ..files import check_state
     from ..io import check_out
+    from ..models import check_context
 
-    check_out(args.out, args.overwrite)
+    inputs = [args.model, args.tune_data]
+    check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
+    if args.checkpoint_dir:
+        check_state(args.checkpoint_dir, inputs=inputs + [args.out])
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
                        device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
                        tune_lr=args.tune_lr)
@@ -35,11 +40,12 @@ def run_fuse(args) -> dict:
     before = count_params(model)
     tune = None
     if args.tune_data:
+        check_context(model, args.block_len)
         tune = text_blocks(args.tune_data, loaded.require_tokenizer(), block_len=args.block_len,
                            max_blocks=args.tune_blocks, seed=args.seed)
     report = fuse(model, cfg, tune_data=tune, progress=not args.quiet, checkpoint_dir=args.checkpoint_dir)
     after = count_params(model)
-    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs)
     report.update(model=loaded.source, out=args.out, mlp_params_before=before["mlp"], mlp_params_after=after["mlp"],
                   params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0)
     return report
@@ -73,8 +79,11 @@ def run_ntk(args) -> dict:
     from ..models import load_model
     from ..sites import find_sites, parse_layers
 
+    from ..models import check_context
+
     dev = device_of(args)
     ref = load_model(args.model_a, task=args.task)
+    check_context(ref.model, args.block_len)
     cand = load_model(args.model_b, task=args.task).model.to(dev)
     ref.model.to(dev)
     tok = ref.require_tokenizer()

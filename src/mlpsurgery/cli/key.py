@@ -4,16 +4,15 @@ prompt, never from the command line."""
 
 from __future__ import annotations
 
+from ..errors import MLPSurgeryError
 from ..report import human_bytes, table
-from . import command
+from . import command, integer, number
 from .core import MODEL_HELP, _load
 
 TASKS = ("auto", "causal-lm", "encoder", "classifier")
 
 
 def _floats(text: str) -> list[float]:
-    from ..errors import MLPSurgeryError
-
     try:
         return [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -115,10 +114,17 @@ def run_attack(args) -> dict:
         utility = classifier_utility(tok, test, balanced=args.balanced)
         make_loss = classifier_finetune(tok, train, batch_size=args.batch_size, epochs=args.epochs)
     else:
+        from ..models import check_context
+
+        check_context(model, args.block_len)
         corpus = load_corpus(args.data, tok)
         utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096, bos_id=corpus.bos)
         make_loss = lm_finetune(corpus.blocks("train", args.block_len), batch_size=args.batch_size, epochs=args.epochs)
-    res = attack_table(model, utility, make_loss, finetune=_floats(args.finetune), prune=_floats(args.prune),
+    fractions, sparsities = _floats(args.finetune), _floats(args.prune)
+    bad = [x for x in fractions if not 0 < x <= 1] + [x for x in sparsities if not 0 <= x < 1]
+    if bad:
+        raise MLPSurgeryError(f"--finetune fractions must be in (0, 1] and --prune sparsities in [0, 1), not {bad}")
+    res = attack_table(model, utility, make_loss, finetune=fractions, prune=sparsities,
                        trials=args.trials, lr=args.lr, progress=progress)
     res["model"] = loaded.source
     return res
@@ -140,8 +146,8 @@ def register(sub, groups) -> None:
     p.add_argument("--out", required=True, help="folder for the locked model (what you hand out)")
     p.add_argument("--key", required=True, help="file for the access key (keep it; never inside --out)")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--ratio", type=float, help="fraction of eligible units to extract, e.g. 0.05")
-    how.add_argument("--target-utility", type=float,
+    how.add_argument("--ratio", type=number(0, 1, high_open=True), help="fraction of eligible units to extract, e.g. 0.05")
+    how.add_argument("--target-utility", type=number(None),
                      help="extract just enough to bring the utility here (accuracy for a classifier, e.g. 0.5; "
                           "perplexity for a causal LM, e.g. 200), found by bisection on calibration data")
     p.add_argument("--indicator", choices=("l1", "scale", "random"), default="l1",
@@ -152,7 +158,7 @@ def register(sub, groups) -> None:
     p.add_argument("--scope", choices=("global", "layer"), default="global",
                    help="rank across all layers, or take the ratio in every layer (global)")
     p.add_argument("--include-io", action="store_true", help="also extract from the embeddings and the output layer")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random indicator (0)")
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the random indicator (0)")
     p.add_argument("--encrypt", action="store_true",
                    help="seal the key with a passphrase (AES-256-GCM, scrypt); read from $MLPSURGERY_PASSPHRASE "
                         "or a prompt")
@@ -160,10 +166,10 @@ def register(sub, groups) -> None:
                    help="model head to load: auto (as saved / LM for decoders), classifier, causal-lm, encoder")
     p.add_argument("--data", help="calibration data: a labelled set for classifiers (r8-train), a corpus for LMs "
                                   "(austen, held-out split)")
-    p.add_argument("--calib-size", type=int, help="calibration examples (256) or held-out tokens (4096)")
-    p.add_argument("--tolerance", type=float,
+    p.add_argument("--calib-size", type=integer(1), help="calibration examples (256) or held-out tokens (4096)")
+    p.add_argument("--tolerance", type=number(0),
                    help="how close to the target counts as reached (0.025 accuracy; 5%% of a perplexity target)")
-    p.add_argument("--max-ratio", type=float, default=0.5, help="largest ratio the bisection may use (0.5)")
+    p.add_argument("--max-ratio", type=number(0, 1, high_open=True), default=0.5, help="largest ratio the bisection may use (0.5)")
     p.add_argument("--measure", action="store_true", help="with --ratio: measure the utility before and after")
     p.add_argument("--plot", help="with --target-utility: draw the evaluated ratio -> utility curve to this PNG")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder / --key file")
@@ -183,12 +189,12 @@ def register(sub, groups) -> None:
     p.add_argument("--task", choices=TASKS, default="auto")
     p.add_argument("--finetune", default="0.05,0.1", help="fractions of the training data to fine-tune on (0.05,0.1)")
     p.add_argument("--prune", default="0.2,0.4", help="magnitude-pruning sparsities (0.2,0.4)")
-    p.add_argument("--trials", type=int, default=3, help="fine-tuning trials, each on a freshly drawn subset (3)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the fine-tuning subset (3)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--block-len", type=int, default=256, help="LM fine-tuning block length (256)")
+    p.add_argument("--trials", type=integer(1), default=3, help="fine-tuning trials, each on a freshly drawn subset (3)")
+    p.add_argument("--epochs", type=integer(1), default=3, help="passes over the fine-tuning subset (3)")
+    p.add_argument("--batch-size", type=integer(1), default=16)
+    p.add_argument("--lr", type=number(0), default=5e-5)
+    p.add_argument("--block-len", type=integer(2), default=256, help="LM fine-tuning block length (256)")
     p.add_argument("--data", help="training data: labelled set (r8-train) or corpus (austen)")
     p.add_argument("--eval-data", help="labelled test set for classifiers (r8-test)")
-    p.add_argument("--eval-size", type=int, help="test examples (all) / held-out tokens for LMs (4096)")
+    p.add_argument("--eval-size", type=integer(1), help="test examples (all) / held-out tokens for LMs (4096)")
     p.add_argument("--balanced", action="store_true", help="classifiers: balanced accuracy (mean per-class recall)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, table
-from . import command, device_of
+from . import command, device_of, integer, number
 from .core import MODEL_HELP, _load
 
 
@@ -47,6 +47,7 @@ def run_train(args) -> dict:
     from ..data import load_corpus
     from ..io import save
     from ..methods.twist import TwISTConfig, init_distributed, on_rank0, twist_train
+    from ..models import check_context
 
     cfg = TwISTConfig(workers=args.workers, blocks=args.blocks, keep=args.keep, attn_keep=args.attn_keep,
                       parts=args.parts, shared_first=args.shared_first, shared_last=args.shared_last,
@@ -71,6 +72,7 @@ def run_train(args) -> dict:
             _check_checkpoint(ckpt, args.out, inputs)
         loaded = _load(args)
         loaded.model.to(device)
+        check_context(loaded.model, args.block_len)
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.max_blocks,
                                seed=args.seed if args.max_blocks else None)
@@ -120,13 +122,13 @@ def run_extract(args) -> dict:
     from ..methods.twist import twist_extract
     from ..models import load_model
 
-    _free_out(args.out, args.overwrite)
+    _free_out(args.out, args.overwrite, [args.dir])
     loaded = load_model(args.dir)
     loaded.model.to(device_of(args))
     new = twist_extract(loaded.model, keep=args.keep, blocks=args.blocks, parts=args.parts, attn_keep=args.attn_keep,
                         shared_first=args.shared_first, shared_last=args.shared_last, seed=args.seed,
                         rescale=not args.no_rescale)
-    save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir])
     before, after = count_params(loaded.model), count_params(new)
     entry = new._mlpsurgery_history[-1]
     return {"out": args.out, "from": args.dir, "seed": args.seed, "config": entry["config"],
@@ -152,18 +154,20 @@ def run_prune(args) -> dict:
     from ..data import load_corpus
     from ..io import save
     from ..methods.pruning import prune
+    from ..models import check_context
     from ..sites import find_sites, parse_layers
 
-    _free_out(args.out, args.overwrite)
+    _free_out(args.out, args.overwrite, [args.model, args.data])
     loaded = _load(args)
+    layers = parse_layers(args.layers, len(find_sites(loaded.model)))
     blocks = None
     if args.method in ("wanda", "sparsegpt", "fisher"):
+        check_context(loaded.model, args.block_len)
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
-    layers = parse_layers(args.layers, len(find_sites(loaded.model)))
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
                           blocks=args.blocks, seed=args.seed, progress=not args.quiet)
-    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite)
+    save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
     return {**report, "out": args.out, "model": loaded.source, "layers": layers,
             "calibration": None if blocks is None else list(blocks.shape)}
 
@@ -184,28 +188,28 @@ def register(sub, groups) -> None:
                 "or the data-parallel baseline (--mode dp)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="folder for the trained (full, dense) model")
-    p.add_argument("--workers", type=int, default=4, help="S: subnets per round; processes under torchrun (4)")
-    p.add_argument("--blocks", type=int, default=12, help="R: MLP chunks per layer (12)")
-    p.add_argument("--keep", type=int, default=6, help="X: MLP chunks per subnet, kappa = X/R (6)")
-    p.add_argument("--attn-keep", type=int, help="KV groups per subnet (default: round(kappa x groups), at least 1)")
+    p.add_argument("--workers", type=integer(1), default=4, help="S: subnets per round; processes under torchrun (4)")
+    p.add_argument("--blocks", type=integer(1), default=12, help="R: MLP chunks per layer (12)")
+    p.add_argument("--keep", type=integer(1), default=6, help="X: MLP chunks per subnet, kappa = X/R (6)")
+    p.add_argument("--attn-keep", type=integer(1), help="KV groups per subnet (default: round(kappa x groups), at least 1)")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
     p.add_argument("--mode", choices=("masked", "true", "hybrid", "dp"), default="masked",
                    help="masked: one process; true / hybrid: one process per worker under `torchrun "
                         "--nproc-per-node S -m mlpsurgery twist train ...`; dp: data-parallel baseline (DDP under "
                         "torchrun)")
     p.add_argument("--data", help="training text: file, folder of .txt, or austen (default) / r8")
-    p.add_argument("--steps", type=int, default=150, help="batches per worker over the run (150)")
-    p.add_argument("--interval", type=int, default=15, help="repartition interval in batches (15, as the paper)")
-    p.add_argument("--batch-size", type=int, default=2, help="blocks per batch and worker (2)")
-    p.add_argument("--block-len", type=int, default=128, help="tokens per block (128)")
-    p.add_argument("--max-blocks", type=int, help="use a random subset of this many training blocks")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--shared-first", type=int, default=2, help="first layers every subnet holds whole (2)")
-    p.add_argument("--shared-last", type=int, default=2, help="last layers every subnet holds whole (2)")
+    p.add_argument("--steps", type=integer(1), default=150, help="batches per worker over the run (150)")
+    p.add_argument("--interval", type=integer(1), default=15, help="repartition interval in batches (15, as the paper)")
+    p.add_argument("--batch-size", type=integer(1), default=2, help="blocks per batch and worker (2)")
+    p.add_argument("--block-len", type=integer(2), default=128, help="tokens per block (128)")
+    p.add_argument("--max-blocks", type=integer(1), help="use a random subset of this many training blocks")
+    p.add_argument("--lr", type=number(0), default=1e-4, help="AdamW learning rate (1e-4)")
+    p.add_argument("--weight-decay", type=number(0, low_open=False), default=0.0)
+    p.add_argument("--shared-first", type=integer(0), default=2, help="first layers every subnet holds whole (2)")
+    p.add_argument("--shared-last", type=integer(0), default=2, help="last layers every subnet holds whole (2)")
     p.add_argument("--common-attn", help="common set C of KV groups, e.g. 0 (default: none)")
     p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun with the same model, "
                    "data and settings resumes from it, anything else is refused; removed after success)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
@@ -214,15 +218,15 @@ def register(sub, groups) -> None:
     p = command(g, "extract", run_extract, render_extract,
                 "deploy one random subnet at kappa = X/R as a physically smaller dense model (no data, no search)")
     p.add_argument("dir", help="a TwIST-trained folder (or any MODEL: a random subnet of it)")
-    p.add_argument("--keep", type=int, required=True, help="X: MLP chunks kept per layer (kappa = X/R)")
+    p.add_argument("--keep", type=integer(1), required=True, help="X: MLP chunks kept per layer (kappa = X/R)")
     p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0, help="which random subnet (0)")
-    p.add_argument("--blocks", type=int, help="R (default: as trained, else 12)")
+    p.add_argument("--seed", type=integer(0), default=0, help="which random subnet (0)")
+    p.add_argument("--blocks", type=integer(1), help="R (default: as trained, else 12)")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), help="default: as trained, else both")
-    p.add_argument("--attn-keep", type=int, help="KV groups kept (default: round(kappa x groups), at least 1)")
-    p.add_argument("--shared-first", type=int, help="first layers kept whole (default: as trained, else 2; 0 and "
+    p.add_argument("--attn-keep", type=integer(1), help="KV groups kept (default: round(kappa x groups), at least 1)")
+    p.add_argument("--shared-first", type=integer(0), help="first layers kept whole (default: as trained, else 2; 0 and "
                    "--shared-last 0 give uniform widths: a plain transformers model)")
-    p.add_argument("--shared-last", type=int, help="last layers kept whole (default: as trained, else 2)")
+    p.add_argument("--shared-last", type=integer(0), help="last layers kept whole (default: as trained, else 2)")
     p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
     p.add_argument("--overwrite", action="store_true")
 
@@ -231,14 +235,14 @@ def register(sub, groups) -> None:
                 "(unstructured), Fisher block pruning and random subnets (structured)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt", "fisher", "random"), required=True)
-    p.add_argument("--sparsity", type=float, required=True,
+    p.add_argument("--sparsity", type=number(0, 1, low_open=False, high_open=True), required=True,
                    help="fraction of the chosen weights removed; for fisher / random: of the blocks per layer")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
     p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
     p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher): file, folder, austen (default) / r8")
-    p.add_argument("--calib-blocks", type=int, default=16, help="calibration blocks (16)")
-    p.add_argument("--block-len", type=int, default=128, help="tokens per calibration block (128)")
-    p.add_argument("--blocks", type=int, default=12, help="R for fisher / random: MLP chunks per layer (12)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration blocks (16)")
+    p.add_argument("--block-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")

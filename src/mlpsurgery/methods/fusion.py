@@ -35,6 +35,7 @@ output) for one epoch (by default), updating only the compressed MLPs' weights (
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -346,9 +347,12 @@ def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
 
 
 def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig, progress: bool = True,
-                checkpoint_dir=None) -> dict:
+                checkpoint_dir=None, settings: dict | None = None) -> dict:
     """Layer-wise task-specific tuning: minimise sum over layers of MSE(compressed MLP sub-block output,
-    original output) on the captured original inputs, training only the compressed MLPs' weights."""
+    original output) on the captured original inputs, training only the compressed MLPs' weights. A checkpoint
+    made from another model, other layers, settings or data (`settings`: its digest) is refused."""
+    from ..files import model_fingerprint
+
     sites = find_sites(model)
     data = {i: capture.layer(i) for i in layers}
     n = len(next(iter(data.values()))[0])
@@ -382,8 +386,10 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     was = model.training
     model.train()
     try:
+        identity = None if checkpoint_dir is None else {
+            "model": model_fingerprint(model, skip=params), "layers": layers, "fusion": asdict(cfg), **(settings or {})}
         res = fit(params, loss_fn, FitConfig(steps=steps, lr=cfg.tune_lr, seed=cfg.seed, log_every=10),
-                  checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning")
+                  checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity)
     finally:
         model.train(was)
         for p in frozen:
@@ -431,7 +437,9 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
         r["nonzero_after"] = sum(int((p != 0).sum()) for p in params)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows}
     if capture is not None:
-        report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir)
+        digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
+        report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
+                                       settings={"data": digest, "data_shape": list(tune_data.shape)})
     record(model, "fusion", asdict(cfg), width=k, layers=layers,
            tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)
     return report
