@@ -360,3 +360,18 @@ def test_minilm_full_rank_exact_and_half_budget(minilm):
         info = nsn.set_budget(model, 0.5)
         assert info["rank"] == 153  # 0.5 * 384*1536/(384+1536) = 153.6
         assert model(**enc).last_hidden_state.shape == ref.shape
+
+
+def test_update_counts_say_how_often_each_rank_moved_its_log_variance(tokenizer):
+    """The anchor is in every step, each lower rank when sampled; a rank never drawn keeps s_k = 0 exactly."""
+    obj = nsn.MultiRankObjective((2, 8, 32), "uncertainty", "curriculum", 0.5, 40, seed=0)
+    counts = obj.update_counts()
+    assert counts[32] == 40 and counts[2] + counts[8] == 40
+    assert counts == {r: sum(1 for s in range(40) if obj.variant(s) == r) + (40 if r == 32 else 0) for r in (2, 8, 32)}
+    model = tiny_model("llama")
+    nsn.nest(model)
+    cfg = nsn.NSNTrainConfig(ranks=(2, 8, 32), fit=FitConfig(steps=3, lr=1e-3), log_var_lr=0.1)
+    res = nsn.train_nsn(model, lm_loss(model, lm_blocks(tokenizer), 2), cfg, progress=False)
+    assert sum(res.updates.values()) == 6 and nsn.training_updates(model) == res.updates
+    never = [r for r, c in res.updates.items() if c == 0]
+    assert all(res.log_var[r] == 0.0 for r in never)

@@ -88,6 +88,13 @@ def run_nest(args) -> dict:
     return {"action": "train", **out}
 
 
+def _log_var(r: dict) -> str:
+    """s_k beside its update count: a rank sampled less often stays nearer its start (0) whatever its loss."""
+    upd = {int(k): v for k, v in (r.get("updates") or {}).items()}
+    return ", ".join(f"{k}: {v:.3f}" + (f" ({upd[int(k)]})" if int(k) in upd else "")
+                     for k, v in sorted(r["log_var"].items(), key=lambda kv: int(kv[0])))
+
+
 def render(r: dict) -> str:
     if r["action"] == "rank":
         return (f"wrote {r['out']} ({r['form']}): rank {r['rank']}, {r['flops_fraction']:.1%} of the dense FLOPs of the "
@@ -98,8 +105,7 @@ def render(r: dict) -> str:
                  **{k: x[k] for k in ("accuracy", "ppl", "loss") if k in x}} for x in r["rows"]]
         lines = [f"{r['model']}: {r['metric']} per rank on {r['data']}", table(rows)]
         if r["log_var"]:
-            lines.append("learned log-variance per training rank: " +
-                         ", ".join(f"{k}: {v:.3f}" for k, v in sorted(r["log_var"].items())))
+            lines.append("learned log-variance per training rank (steps that updated it): " + _log_var(r))
         if r.get("plot"):
             lines.append(f"plot: {r['plot']}")
         return "\n".join(lines)
@@ -110,7 +116,7 @@ def render(r: dict) -> str:
         lines.append(f"trained {t['steps']} steps ({t['objective']}, {t['sampling']}) on ranks {t['ranks']} in "
                      f"{t['seconds']:.0f} s; final loss {t['final_loss']:.4g}")
         if t["log_var"]:
-            lines.append("log-variance per rank: " + ", ".join(f"{k}: {v:.3f}" for k, v in t["log_var"].items()))
+            lines.append("log-variance per rank (steps that updated it): " + _log_var(t))
     else:
         lines.append("no training (--train-steps 0): SVD truncation only")
     return "\n".join(lines)

@@ -331,6 +331,16 @@ class MultiRankObjective(nn.Module):
     def log_variances(self) -> dict[int, float]:
         return {r: float(s) for r, s in zip(self.ranks, self.log_var.detach())}
 
+    def update_counts(self) -> dict[int, int]:
+        """Steps whose loss includes each training rank (the anchor every step, a variant when sampled): s_k moves
+        only on those steps, so compare learned log-variances beside these counts, not alone."""
+        counts = {r: 0 for r in self.ranks}
+        counts[self.anchor] = self.steps
+        if self.objective != "anchor":
+            for step in range(self.steps):
+                counts[self.variant(step)] += 1
+        return counts
+
 
 def nsn_parameters(model: nn.Module, which: str = "nested") -> dict[str, nn.Parameter]:
     """The parameters NSN training updates (see NSNTrainConfig.train)."""
@@ -357,6 +367,7 @@ class TrainResult:
     ranks: list[int]
     anchor: int
     log_var: dict[int, float]  # learned s_k per training rank ({} unless objective = uncertainty)
+    updates: dict[int, int]  # steps whose loss included each rank (s_k moves only then): read log_var beside it
     history: list[dict]
     steps: int
     resumed_from: int
@@ -401,17 +412,28 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     model.eval()
     set_rank(model, objective.anchor)
     log_var = objective.log_variances() if cfg.objective == "uncertainty" else {}
+    updates = objective.update_counts()
     record(model, "nsn-train", asdict(cfg) | {"ranks": ranks}, steps=res.steps, seconds=res.seconds,
-           log_var={str(k): v for k, v in log_var.items()})
-    return TrainResult(ranks=ranks, anchor=objective.anchor, log_var=log_var, history=res.history, steps=res.steps,
+           log_var={str(k): v for k, v in log_var.items()}, updates={str(k): v for k, v in updates.items()})
+    return TrainResult(ranks=ranks, anchor=objective.anchor, log_var=log_var, updates=updates, history=res.history,
+                       steps=res.steps,
                        resumed_from=res.resumed_from, seconds=res.seconds)
 
 
 def learned_log_variances(model: nn.Module) -> dict[int, float]:
     """The log-variances of the last NSN training recorded on the model (survives save / load)."""
+    return {int(k): v for k, v in _last_training(model).get("log_var", {}).items()}
+
+
+def training_updates(model: nn.Module) -> dict[int, int]:
+    """How many steps of the last NSN training included each rank (beside its log-variance; see update_counts)."""
+    return {int(k): v for k, v in _last_training(model).get("updates", {}).items()}
+
+
+def _last_training(model: nn.Module) -> dict:
     for h in reversed(getattr(model, "_mlpsurgery_history", [])):
         if h.get("method") == "nsn-train":
-            return {int(k): v for k, v in h["provenance"].get("log_var", {}).items()}
+            return h.get("provenance", {})
     return {}
 
 
@@ -717,7 +739,8 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                               "split": corpus.split}
         res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
                         settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len})
-        result["train"] = {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "steps": res.steps,
+        result["train"] = {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "updates": res.updates,
+                           "steps": res.steps,
                            "resumed_from": res.resumed_from, "seconds": res.seconds,
                            "final_loss": res.history[-1]["loss"] if res.history else None,
                            "objective": train.objective, "sampling": train.sampling}
@@ -803,7 +826,8 @@ def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[in
     t0 = time.perf_counter()
     rows = sweep(model, evaluate, ranks, progress=progress)
     out = {"model": str(folder), "metric": metric, "data": what, "rows": rows,
-           "log_var": learned_log_variances(model), "seconds": time.perf_counter() - t0}
+           "log_var": learned_log_variances(model), "updates": training_updates(model),
+           "seconds": time.perf_counter() - t0}
     if plot is not None:
         out["plot"] = str(plot_frontier({Path(folder).name: rows}, metric, plot, title=f"{folder}: {metric} per rank"))
     return out
