@@ -240,3 +240,51 @@ def test_an_unsupported_architecture_is_one_line(tmp_path, capsys):
     assert one_line(code, err) and "not supported" in err
     code, _, err = run(capsys, "lock", "dlr", tmp_path / "t5", "--out", tmp_path / "o")
     assert one_line(code, err) and not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
+
+
+def test_an_edited_config_or_manifest_does_not_load_as_another_model(tmp_path):
+    out = ms.save(tiny_model("llama"), tmp_path / "m")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["rope_theta"] = 5.0  # loads in transformers, changes every logit
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MLPSurgeryError, match="config.json does not match the checksum"):
+        ms.load(out)
+    out2 = ms.save(tiny_model("llama"), tmp_path / "m2")
+    man = json.loads((out2 / "surgery.json").read_text())
+    man["dtype"] = "float16"
+    (out2 / "surgery.json").write_text(json.dumps(man))
+    with pytest.raises(MLPSurgeryError, match="its own checksum"):
+        ms.load(out2)
+
+
+def test_manifests_name_the_source_without_a_local_path(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "private" / "alice-model")
+    byte_tokenizer().save_pretrained(tmp_path / "private" / "alice-model")
+    loaded = load_model(tmp_path / "private" / "alice-model")
+    out = ms.save(loaded.model, tmp_path / "m", tokenizer=loaded.tokenizer)
+    text = (out / "surgery.json").read_text() + (out / "config.json").read_text()
+    assert str(tmp_path) not in text
+    source = json.loads((out / "surgery.json").read_text())["source"]
+    assert source["name"] == "alice-model" and len(source["fingerprint"]) == 64
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["eval", "ppl", "tiny:llama", "--stride", "0"], "--stride: must be >= 1"),
+    (["eval", "ppl", "tiny:llama", "--batch-size", "0"], "--batch-size: must be >= 1"),
+    (["eval", "ppl", "tiny:gpt2", "--block-len", "100000"], "exceeds the model's context"),
+    (["eval", "cost", "tiny:llama", "--seq-len", "100000"], "--seq-len 100000 exceeds"),
+    (["eval", "cost", "tiny:llama", "--repeats", "0"], "--repeats: must be >= 1"),
+    (["inspect", "tiny:llama", "--context", "-1"], "--context: must be >= 1"),
+    (["nest", "tiny:llama", "--out", "{out}", "--train-steps", "-5"], "--train-steps: must be >= 0"),
+    (["lock", "dlr", "tiny:llama", "--out", "{out}", "--rank", "0"], "--rank: must be >= 1"),
+    (["lock", "dlr", "tiny:gpt2", "--out", "{out}", "--block-len", "5000"], "exceeds the model's context"),
+    (["lock", "key", "tiny:llama", "--out", "{out}", "--key", "{key}", "--ratio", "nan"], "NaN"),
+    (["twist", "train", "tiny:llama", "--out", "{out}", "--keep", "0"], "--keep: must be >= 1"),
+    (["prune", "tiny:llama", "--method", "magnitude", "--sparsity", "1.5", "--out", "{out}"], "--sparsity"),
+    (["fuse", "tiny:llama", "--out", "{out}", "--width", "-3"], "--width: must be >= 1"),
+])
+def test_numeric_flags_out_of_range_are_refused_before_any_work(tmp_path, capsys, argv, needle):
+    argv = [a.format(out=tmp_path / "o", key=tmp_path / "k") for a in argv]
+    code, _, err = run(capsys, *argv)
+    assert one_line(code, err) and needle in err, err
+    assert list(tmp_path.iterdir()) == []

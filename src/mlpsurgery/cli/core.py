@@ -91,8 +91,11 @@ def run_cost(args) -> dict:
     from ..measure.cost import compare_cost, measure_cost
     from ..models import load_model
 
+    from ..models import check_context
+
     loaded = _load(args)
     model = loaded.model
+    check_context(model, args.seq_len, "--seq-len")
     baseline = args.baseline or source_spec(model)
     vocab = getattr(model.config, "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
