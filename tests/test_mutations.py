@@ -24,8 +24,10 @@ from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
 
 EXAMPLES = int(os.environ.get("MLPSURGERY_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                            HealthCheck.too_slow])
+# The suite (CI) explores the same examples every run; MLPSURGERY_FUZZ_RANDOM=1 explores new ones.
+DERANDOMIZE = not os.environ.get("MLPSURGERY_FUZZ_RANDOM")
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=DERANDOMIZE,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                     max_leaves=6)

@@ -111,12 +111,18 @@ def device_of(args) -> str:
     return args.device
 
 
+def one_line(message: str) -> str:
+    """The message on one line: control and line-break characters (which a damaged file can put into a
+    message, e.g. U+0085) are shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        print(f"mlpsurgery: error: {e}", file=sys.stderr)
+        print(f"mlpsurgery: error: {one_line(e)}", file=sys.stderr)
         return 2
     if not hasattr(args, "run"):
         (getattr(args, "group_parser", None) or parser).print_help()
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = args.run(args)
     except MLPSurgeryError as e:
-        print(f"mlpsurgery: error: {e}", file=sys.stderr)
+        print(f"mlpsurgery: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mlpsurgery: interrupted (long runs resume from their checkpoint when started again)", file=sys.stderr)
