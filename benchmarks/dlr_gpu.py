@@ -107,9 +107,9 @@ def correctness(d: int, r: int, depth: int, T: int) -> dict:
     with torch.no_grad():
         ref = net.double().full(x.double()) - x.double()
         net.to(DTYPE)
-        from mlpsurgery.kernels.dlr_triton import dlr_forward
+        from mlpsurgery.kernels.dlr_triton import dlr_forward, folded_weights
 
-        Dp, Up = net.folded_weights(DTYPE)
+        Dp, Up = folded_weights(net, DTYPE)
         out = torch.full_like(x, float("nan"))
         fused = dlr_forward(x, Dp, Up, net.eps, out=out).double()
         net.fused = False

@@ -60,15 +60,19 @@ def test_export_uniform_smaller_mlps(arch, ids, tmp_path):
     torch.testing.assert_close(outputs(plain.eval(), ids), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_export_refuses_mixed_widths_and_writes_nothing(tmp_path):
+def test_export_of_mixed_widths_folds_into_resized_stock_linears_with_modeling_code(tmp_path, ids):
+    """One layer's MLP narrowed to 10, the other whole: no single intermediate size states it, so the export holds
+    the stock model with that layer's linears resized (no mlpsurgery module left) plus generated modeling code."""
     model = tiny_model("llama")
     s = find_sites(model).mlp[0]
     s.replace_mlp(DenseMLP.from_weights(s.read().select(torch.arange(10))))
+    ref = outputs(model, ids)
     save(model, tmp_path / "m")
-    with pytest.raises(NotExportableError, match="widths differ"):
-        export(tmp_path / "m", tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    export(tmp_path / "m", tmp_path / "hf")
+    manifest = read_manifest(tmp_path / "hf")
+    assert {e["class"] for e in manifest["modules"]} == {"Linear"}
+    assert (tmp_path / "hf" / "modeling_mlpsurgery.py").exists()
+    torch.testing.assert_close(outputs(load(tmp_path / "hf"), ids), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_corrupted_manifest_is_refused(tmp_path):

@@ -37,12 +37,13 @@ from torch import nn
 from . import __version__, files
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError
 from .modules import MODULES, build, module_config
-from .modules.masks import masked_parameters, restore_masks
+from .modules.masks import masked_parameters, masks_set_aside, restore_masks
 
 FORMAT = "mlpsurgery"
 FORMAT_VERSION = 2  # 2: every model-defining file checksummed, the manifest digests itself
 MANIFEST = "surgery.json"
 WEIGHTS = "model.safetensors"
+MASKS = "masks.safetensors"  # pruning masks, apart from the weights (modules/masks.py)
 
 
 # Folder rules (markers, atomic replacement, refusals) live in files.py; re-exported for the methods.
@@ -151,17 +152,24 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     """Write `model` (with any surgery) to folder `out` atomically. Returns the folder.
 
     inputs: paths the model was made from (model folder, data, key); `out` may not be, hold or lie inside one.
-    Every file that defines the model (config, weights, generation config) is listed in the manifest with its
-    SHA-256, and the manifest carries a digest of itself: `load` refuses a folder where any of them changed.
+    Every file that defines the model (config, weights, generation config, masks, generated modeling code) is
+    listed in the manifest with its SHA-256, and the manifest carries a digest of itself: `load` refuses a
+    folder where any of them changed. A structure that is not stock also gets generated modeling code, so that
+    transformers alone loads the folder with trust_remote_code=True (standalone.py).
     """
+    from safetensors.torch import save_file
+
+    from . import standalone
+
     if not hasattr(model, "config"):
         raise MLPSurgeryError("save() needs a transformers model (with .config); for plain PyTorch models use "
                               "safetensors.torch.save_model")
     inputs = [*inputs, loaded_from(model)]
+    entries = replaced_modules(model)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
         "model_class": type(model).__name__, "model_type": model.config.model_type,
-        "source": source_of(model), "modules": replaced_modules(model), "history": history(model),
+        "source": source_of(model), "modules": entries, "history": history(model),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "masks": masked_parameters(model),
     }
@@ -172,7 +180,12 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(tmp)
-        st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if entries:
+            standalone.write(tmp, model, entries)
+        with masks_set_aside(model) as masks:
+            st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if masks:
+            save_file({n: m.contiguous() for n, m in masks.items()}, str(tmp / MASKS))
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())
                              if p.is_file() and p.name not in (MANIFEST, files.MARKER)}
         manifest["weights_sha256"] = manifest["files"][WEIGHTS]
@@ -318,10 +331,47 @@ def verify_files(folder: Path, manifest: dict) -> None:
                                  "truncated; restore it, or save the model again")
 
 
+def read_config(folder: Path):
+    """The folder's config as the stock config class of its architecture (a folder with generated modeling code
+    has config.json's model_type `mlpsurgery_<type>`: mlpsurgery reads the stock type and never runs that code)."""
+    from transformers import CONFIG_MAPPING
+
+    from .standalone import stock_config_dict
+
+    path = folder / "config.json"
+    try:
+        raw = stock_config_dict(json.loads(path.read_bytes()))
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    except FileNotFoundError:
+        raise IntegrityError(f"{folder} has no config.json; restore it from the original save") from None
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError) as e:
+        raise IntegrityError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                             "restore it from the original save") from None
+
+
+def _load_masks(model: nn.Module, folder: Path, names: list[str]) -> None:
+    if not names:
+        return
+    from safetensors.torch import load_file
+
+    try:
+        restore_masks(model, names)
+        stored = load_file(str(folder / MASKS)) if (folder / MASKS).is_file() else {}
+    except (AttributeError, TypeError):
+        raise IntegrityError(f"the manifest's masks name parameters this model does not have: {names[:4]}; it was "
+                             "edited") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors for a damaged file
+        raise IntegrityError(f"{folder / MASKS} is damaged ({type(e).__name__}); restore it") from None
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        buf = (model.get_submodule(owner) if owner else model)._buffers[attr + "_mask"]
+        if name not in stored or stored[name].shape != buf.shape:
+            raise IntegrityError(f"{folder / MASKS} lacks the mask of {name} (or it has another shape); restore it")
+        buf.copy_(stored[name])
+
+
 def load(folder: str | Path, verify: bool = True) -> nn.Module:
     """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights."""
-    from transformers import AutoConfig
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     weights = folder / WEIGHTS
@@ -329,18 +379,9 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
         raise IntegrityError(f"{folder} has no {WEIGHTS} file; the save was incomplete")
     if verify:
         verify_files(folder, manifest)
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise IntegrityError(f"{folder / 'config.json'} cannot be read ({str(e).splitlines()[0][:200]}); restore it "
-                             "from the original save") from None
+    config = read_config(folder)
     model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights)
     model.to(getattr(torch, manifest.get("dtype", "float32")))
-    try:
-        restore_masks(model, manifest.get("masks", []))
-    except (AttributeError, TypeError):
-        raise IntegrityError(f"the manifest's masks name parameters this model does not have: "
-                             f"{manifest.get('masks', [])[:4]}; it was edited") from None
     try:
         missing, unexpected = st_load_model(model, str(weights), strict=False)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
@@ -348,6 +389,7 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
     if missing or unexpected:
         raise IntegrityError(f"{weights} does not fit the structure in {MANIFEST}: missing {sorted(missing)[:8]}, "
                              f"unexpected {sorted(unexpected)[:8]}")
+    _load_masks(model, folder, manifest.get("masks", []))
     model._mlpsurgery_history = manifest.get("history", [])
     model._mlpsurgery_source = manifest.get("source")
     model._mlpsurgery_path = str(folder)
@@ -363,63 +405,80 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
 # Export to stock transformers
 
 
-def to_stock(model: nn.Module) -> nn.Module:
-    """A stock `transformers` model computing the same function, where the structure allows.
+def _set_submodule(model: nn.Module, path: str, mod: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, mod)
 
-    Replaced MLPs fold into dense MLPs (their `to_mlp_weights()`); their inner widths must be equal, and
-    the config's intermediate size becomes that width. Anything else raises NotExportableError with why.
+
+def to_stock(model: nn.Module) -> nn.Module:
+    """The same function in the most stock form the structure allows (a new model; `model` is not touched).
+
+    Nested and truncated-SVD linears become the dense linear of their shape (NestedLinear at its current rank);
+    replaced MLPs that have a dense-MLP form (`to_mlp_weights`: fused, pruned, extracted) are written into stock
+    MLP modules, the config's intermediate size set to the most common width and the other layers' linears
+    resized; pruning masks are dropped (their zeros are in the weights). What has no stock form (DLR-Nets,
+    attentions with fewer heads) stays. With nothing left over the result is a stock model that plain
+    `from_pretrained` loads; otherwise `replaced_modules` of the result lists what `save` gives modeling code for.
     """
+    import transformers
+
     from .sites import find_sites
 
     entries = replaced_modules(model)
     if not entries and not masked_parameters(model):
         return model
-    sites = find_sites(model)
+    src = copy.deepcopy(model)
+    for path in masked_parameters(src):
+        owner, attr = path.rpartition(".")[0], path.rpartition(".")[2]
+        src.get_submodule(owner)._buffers.pop(attr + "_mask", None)
+    for e in entries:
+        mod = src.get_submodule(e["path"])
+        if hasattr(mod, "to_dense"):
+            _set_submodule(src, e["path"], mod.to_dense())
+    sites = find_sites(src)
     folded: dict[int, Any] = {}
-    by_path = {e["path"]: e for e in entries}
     for s in sites.mlp:
         if not s.replaced:
             continue
         mods = [m for m in s.modules() if not isinstance(m, nn.Identity) and any(True for _ in m.parameters())]
-        if len(mods) != 1 or not hasattr(mods[0], "to_mlp_weights"):
-            raise NotExportableError(f"layer {s.index}: the MLP was replaced by "
-                                     f"{', '.join(type(m).__name__ for m in mods)}, which has no stock equivalent")
-        w = mods[0].to_mlp_weights()
-        if w is None:
-            raise NotExportableError(f"layer {s.index}: {mods[0].export_blocker()}; load it with mlpsurgery.load")
-        folded[s.index] = w
-    path_of = {id(mod): p for p, mod in model.named_modules()}
-    mlp_paths = {path_of[id(m)] for s in sites.mlp for m in s.modules()}
-    other = [p for p in by_path if not any(p == m or p.startswith(m + ".") for m in mlp_paths)]
-    if other:
-        raise NotExportableError(
-            f"{', '.join(p + ' (' + by_path[p]['class'] + ')' for p in other[:4])} replaced outside the MLPs (or by "
-            "something other than a foldable MLP): no stock architecture holds this structure; load it with "
-            "mlpsurgery.load")
-    widths = {w.h for w in folded.values()}
-    untouched = {s.h for s in sites.mlp if not s.replaced}
-    if len(widths | untouched) > 1:
-        raise NotExportableError(
-            f"MLP inner widths differ across layers ({sorted(widths | untouched)}); a stock config has one "
-            "intermediate size. Compress every layer to the same width, or load it with mlpsurgery.load")
-    h = (widths | untouched).pop()
-    config = copy_config(model.config)
-    setattr(config, sites.spec.width_key, h)
-    import transformers
-
-    stock = getattr(transformers, type(model).__name__)._from_config(config).to(next(model.parameters()).dtype)
-    src_state = {k: v for k, v in model.state_dict().items()}
-    dst_state = stock.state_dict()
-    new_sites = find_sites(stock)
-    mlp_prefixes = [p + "." for p in mlp_paths]
+        w = mods[0].to_mlp_weights() if len(mods) == 1 and hasattr(mods[0], "to_mlp_weights") else None
+        if w is not None:
+            folded[s.index] = w
+    path_of = {id(mod): p for p, mod in src.named_modules()}
+    folded_paths = [path_of[id(m)] for i in folded for m in sites.mlp[i].modules()]
+    widths = [folded[s.index].h if s.index in folded else s.h for s in sites.mlp if s.index in folded or not s.replaced]
+    config = copy_config(src.config)
+    if widths:
+        setattr(config, sites.spec.width_key, max(set(widths), key=lambda h: (widths.count(h), h)))
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        no_init_weights = contextlib.nullcontext
+    param = next(src.parameters())
+    with no_init_weights():
+        new = getattr(transformers, type(src).__name__)._from_config(config)
+    new.to(device=param.device, dtype=param.dtype)
+    new.tie_weights()
+    kept = [e for e in replaced_modules(src) if not any(e["path"] == f or e["path"].startswith(f + ".")
+                                                        for f in folded_paths)]
+    for e in kept:  # no stock form: the same module, in the same place
+        _set_submodule(new, e["path"], copy.deepcopy(src.get_submodule(e["path"])))
+    new_sites = find_sites(new)
+    src_state = src.state_dict()
     with torch.no_grad():
-        for k, v in dst_state.items():
-            if k in src_state and not any(k.startswith(pfx) for pfx in mlp_prefixes):
+        for k, v in new.state_dict().items():
+            if k in src_state and src_state[k].shape == v.shape and not any(k.startswith(f + ".") for f in folded_paths):
                 v.copy_(src_state[k])
-    for s in sites.mlp:
-        new_sites.mlp[s.index].write(folded[s.index] if s.index in folded else s.read())
-    stock.eval()
-    return stock
+    for i, w in folded.items():
+        new_sites.mlp[i].write(w)
+    for s in new_sites.mlp:  # untouched layers of another width than the config's
+        if s.index not in folded and not sites.mlp[s.index].replaced and s.h != sites.mlp[s.index].h:
+            s.write(sites.mlp[s.index].read())
+    new._mlpsurgery_history = history(model)
+    new._mlpsurgery_source = source_of(model)
+    if getattr(model, "generation_config", None) is not None:
+        new.generation_config = copy.deepcopy(model.generation_config)
+    return new.eval()
 
 
 def copy_config(config):
@@ -427,20 +486,24 @@ def copy_config(config):
 
 
 def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """Write a plain transformers folder (config.json + model.safetensors) loadable with from_pretrained."""
+    """Write the model in its most stock form (`to_stock`): a plain transformers folder (config.json +
+    model.safetensors) where the structure allows; else a self-contained folder whose generated modeling code
+    lets `from_pretrained(..., trust_remote_code=True)` build it (standalone.py), mlpsurgery.load as well."""
+    inputs = [src] if isinstance(src, (str, Path)) else []
+    check_out(out, overwrite, inputs=inputs)
     if isinstance(src, (str, Path)):
-        check_out(out, overwrite, inputs=[src])
+        from .models import _tokenizer
+
         folder = Path(src)
         model = load(folder)
         if tokenizer is None:
-            with contextlib.suppress(Exception):
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tokenizer = _tokenizer(folder)
     else:
         model = src
     stock = to_stock(model)
-    with atomic_dir(out, overwrite=overwrite, inputs=[src] if isinstance(src, (str, Path)) else ()) as tmp:
+    if replaced_modules(stock):
+        return save(stock, out, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs)
+    with atomic_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         stock.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -261,13 +261,19 @@ def check_context(model: nn.Module, n: int, flag: str = "--block-len") -> None:
 
 
 def _tokenizer(folder: Path):
-    """The folder's tokenizer, or None when it has none (commands that need text then say so)."""
+    """The folder's tokenizer, or None when it has none (commands that need text then say so). The config is given
+    to transformers (for a folder with generated modeling code, the stock one): never a remote-code prompt."""
     from transformers import AutoTokenizer
 
     if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         return None
     try:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        kw = {}
+        if (folder / "surgery.json").exists():  # config.json may name generated code: give the stock config
+            from . import io
+
+            kw["config"] = io.read_config(folder)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False, **kw)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise MLPSurgeryError(f"the tokenizer files in {folder} cannot be read ({_first_line(e)}); restore them") from None
     if tok.pad_token is None:

@@ -41,6 +41,37 @@ def available(x: Tensor) -> bool:
     return HAVE_TRITON and (x.is_cuda or interpreting())
 
 
+def _differentiated(t: Tensor) -> bool:
+    """Whether `t` carries a derivative the kernel would drop: a forward-mode tangent (torch.autograd.forward_ad)
+    or a torch.func transform's wrapper (jvp, vmap, grad, jacfwd ...)."""
+    from torch._C import _functorch
+    from torch.autograd import forward_ad
+
+    if _functorch.is_functorch_wrapped_tensor(t) or _functorch.is_batchedtensor(t):
+        return True
+    return forward_ad.unpack_dual(t).tangent is not None
+
+
+def module_forward(net, x: Tensor) -> Tensor | None:
+    """A DLRNet's delta through the fused kernel, or None where the kernel does not apply: plain inference on
+    CUDA (or the interpreter) with triton, outside torch.compile and outside any forward-mode or functorch
+    differentiation of the input or the weights (the kernel has no tangent)."""
+    params = (net.D, net.U, net.norm, net.alpha)
+    if not available(x) or torch.compiler.is_compiling() or any(_differentiated(t) for t in (x, *params)):
+        return None
+    Dp, Up = folded_weights(net, x.dtype)
+    return dlr_forward(x, Dp, Up, net.eps)
+
+
+def folded_weights(net, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """D diag(norm) and alpha U of a DLRNet for the kernel, cached on the net until a parameter changes."""
+    params = (net.D, net.U, net.norm, net.alpha)
+    key = (dtype, net.D.device, *(p._version for p in params), *(p.data_ptr() for p in params))
+    if net._folded is None or net._folded[0] != key:
+        net._folded = (key, *fold(*params, dtype))
+    return net._folded[1], net._folded[2]
+
+
 if HAVE_TRITON:
 
     @triton.jit

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..errors import MLPSurgeryError
 from ..io import check_out, record
-from ..modules.nested import NestedLinear
+from ..modules.nested import NestedLinear, flops_of, rank_all, rank_for_budget
 from ..sites import find_sites, linear_weight, parse_layers
 from ..train import FitConfig, fit, step_rng, trainable
 from ..report import save_figure
@@ -150,11 +150,7 @@ def set_rank(model: nn.Module, rank) -> dict[str, int]:
         m.rank = min(r, m.max_rank)
 
     if isinstance(rank, int) and not isinstance(rank, bool):
-        top = max(m.max_rank for m in layers.values())
-        if not 1 <= rank <= top:
-            raise MLPSurgeryError(f"rank must be in 1..{top} (the largest max_rank of this model), not {rank}")
-        for m in layers.values():
-            put(m, rank)
+        rank_all(layers.values(), rank)
     elif isinstance(rank, Mapping):
         by_layer = _by_layer(model) if any(not isinstance(k, str) for k in rank) else {}
         for key, r in rank.items():
@@ -185,31 +181,13 @@ def set_rank(model: nn.Module, rank) -> dict[str, int]:
 def nested_flops(model: nn.Module) -> dict:
     """FLOPs per token of the nested projections at their current ranks, of the dense projections they
     replaced, and the fraction."""
-    layers = _require_nested(model).values()
-    flops = sum(m.flops_per_token() for m in layers)
-    dense = sum(m.dense_flops_per_token() for m in layers)
-    return {"flops": flops, "dense_flops": dense, "fraction": flops / dense}
+    return flops_of(_require_nested(model).values())
 
 
 def budget_rank(model: nn.Module, fraction: float) -> int:
     """The largest single rank r (each projection at min(r, its max_rank)) whose FLOPs fit
     `fraction` x the dense FLOPs of the nested projections."""
-    if not fraction > 0:
-        raise MLPSurgeryError(f"the FLOPs budget is a positive fraction of the dense FLOPs, not {fraction}")
-    layers = list(_require_nested(model).values())
-    dense = sum(m.dense_flops_per_token() for m in layers)
-
-    def cost(r: int) -> int:
-        return sum(2 * min(r, m.max_rank) * (m.in_features + m.out_features) for m in layers)
-
-    if cost(1) > fraction * dense:
-        raise MLPSurgeryError(f"a budget of {fraction:.4g} is below what rank 1 costs ({cost(1) / dense:.4g} of the "
-                              "dense FLOPs); give a larger budget")
-    lo, hi = 1, max(m.max_rank for m in layers)
-    while lo < hi:  # cost is non-decreasing in r
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cost(mid) <= fraction * dense else (lo, mid - 1)
-    return lo
+    return rank_for_budget(_require_nested(model).values(), fraction)
 
 
 def set_budget(model: nn.Module, fraction: float) -> dict:

@@ -32,7 +32,7 @@ from transformers.models.phi3.configuration_phi3 import Phi3Config
 from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.pytorch_utils import Conv1D
 
-from . import register
+from .base import register
 
 
 # where the model came from, not what it computes (a local path must not reach a manifest)

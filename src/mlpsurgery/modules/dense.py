@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..sites import MLPWeights, activation_fn
-from . import SurgeryModule, register
+from transformers.activations import ACT2FN
+
+from ..errors import MLPSurgeryError
+from ..sites import MLPWeights  # library side only (from_weights / to_mlp_weights), never at inference
+from .base import SurgeryModule, register
 
 
 @register
@@ -22,7 +25,9 @@ class DenseMLP(SurgeryModule):
         self.up = nn.Linear(d, h, bias=up_bias)
         self.gate = nn.Linear(d, h, bias=gate_bias) if gated else None
         self.down = nn.Linear(h, d, bias=down_bias)
-        self.act = activation_fn(activation)
+        if activation not in ACT2FN:
+            raise MLPSurgeryError(f"unknown activation {activation!r}; transformers knows {sorted(ACT2FN)}")
+        self.act = ACT2FN[activation]
 
     def config(self):
         return dict(self._cfg)

@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from . import SurgeryModule, register
+from .base import SurgeryModule, register
 
 
 def dlr_depth(budget: int, d: int, rank: int) -> int:
@@ -33,32 +33,10 @@ def dlr_depth(budget: int, d: int, rank: int) -> int:
     return max(1, round(budget / (2 * d * rank + d + 1)))
 
 
-def _differentiated(t: Tensor) -> bool:
-    """Whether `t` carries a derivative the kernel would drop: a forward-mode tangent (torch.autograd.forward_ad)
-    or a torch.func transform's wrapper (jvp, vmap, grad, jacfwd ...)."""
-    from torch._C import _functorch
-    from torch.autograd import forward_ad
-
-    if _functorch.is_functorch_wrapped_tensor(t) or _functorch.is_batchedtensor(t):
-        return True
-    return forward_ad.unpack_dual(t).tangent is not None
-
-
-def _fused_available(x: Tensor, *params: Tensor) -> bool:
-    """Plain inference on CUDA (or under Triton's CPU interpreter) with triton installed, outside torch.compile
-    and outside any forward-mode or functorch differentiation of the input or the weights."""
-    if torch.compiler.is_compiling():
-        return False
-    if any(_differentiated(t) for t in (x, *params)):
-        return False
-    if not x.is_cuda:
-        import os
-
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return False
-    from ..kernels.dlr_triton import HAVE_TRITON
-
-    return HAVE_TRITON
+# The fused inference kernel, plugged in by the library (modules/__init__.py -> kernels/dlr_triton.py): a function
+# (net, x) -> the delta, or None where the kernel does not apply. None here, so that this file (which saved folders
+# carry for stock transformers) runs the plain PyTorch forward.
+KERNEL = None
 
 
 def rms_norm(z: Tensor, eps: float) -> Tensor:
@@ -78,10 +56,10 @@ class DLRNet(SurgeryModule):
         self.norm = nn.Parameter(torch.ones(depth, d))
         self.alpha = nn.Parameter(torch.zeros(depth))
         # Runtime switches (not saved): recompute the blocks in backward instead of storing their activations;
-        # run inference (no grad, CUDA) through the fused Triton kernel.
+        # run inference (no grad, CUDA) through the fused Triton kernel where the library provides one (KERNEL).
         self.checkpoint = False
         self.fused = True
-        self._folded: tuple | None = None
+        self._folded: tuple | None = None  # the kernel's folded weights, cached per weight version
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -114,22 +92,11 @@ class DLRNet(SurgeryModule):
             if self.checkpoint:
                 return torch.utils.checkpoint.checkpoint(self._delta, x, use_reentrant=False)
             return self._delta(x)
-        if self.fused and _fused_available(x, self.D, self.U, self.norm, self.alpha):
-            from ..kernels.dlr_triton import dlr_forward
-
-            Dp, Up = self.folded_weights(x.dtype)
-            return dlr_forward(x, Dp, Up, self.eps)
+        if self.fused and KERNEL is not None:
+            out = KERNEL(self, x)
+            if out is not None:
+                return out
         return self._delta(x)
-
-    def folded_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """D diag(norm) and alpha U for the fused kernel, cached until a parameter changes."""
-        from ..kernels.dlr_triton import fold
-
-        key = (dtype, self.D.device, *(p._version for p in (self.D, self.U, self.norm, self.alpha)),
-               *(p.data_ptr() for p in (self.D, self.U, self.norm, self.alpha)))
-        if self._folded is None or self._folded[0] != key:
-            self._folded = (key, *fold(self.D, self.U, self.norm, self.alpha, dtype))
-        return self._folded[1], self._folded[2]
 
     def _delta(self, x: Tensor) -> Tensor:
         return self.full(x) - x

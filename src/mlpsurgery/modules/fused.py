@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..sites import MLPWeights
-from . import SurgeryModule, register
+from ..sites import MLPWeights  # library side only (from_centroids / to_mlp_weights), never at inference
+from .base import SurgeryModule, register
 from .dense import DenseMLP
 
 

@@ -5,8 +5,8 @@ that every later training run, attack or NTK measurement keeps them at zero, eac
 module gets a boolean buffer `P_mask` beside it (True = kept), and P's gradient is multiplied by it: a
 masked entry never receives an update (Adam's moments stay zero, weight decay of zero is zero), for any
 optimizer and for `torch.autograd.grad` alike. `io.save` lists the masked parameters in the manifest and
-stores the masks with the weights; `io.load` puts them back; `io.export` leaves them out (the zeros are in
-the weights).
+stores the masks in their own file (masks.safetensors), so model.safetensors holds exactly the stock tensors;
+`io.load` puts them back; `io.export` leaves them out (the zeros are in the weights).
 
 The gradient hook is put on the parameter by a forward pre-hook of its module, at the first forward that
 can build a graph: tensor hooks do not survive `copy.deepcopy`, module hooks do (a copied model is masked too).
@@ -14,6 +14,7 @@ can build a graph: tensor hooks do not survive `copy.deepcopy`, module hooks do 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -85,3 +86,19 @@ def restore_masks(model: nn.Module, names: list[str]) -> None:
             raise AttributeError(name)
         mod.register_buffer(attr + SUFFIX, torch.ones(p.shape, dtype=torch.bool, device=p.device))
         _watch(mod)
+
+
+@contextlib.contextmanager
+def masks_set_aside(model: nn.Module):
+    """Within the block the model holds no mask buffers (so its state dict is the stock one); yields
+    {parameter name: mask}. The buffers are put back afterwards."""
+    taken = {}
+    for name in masked_parameters(model):
+        mod, attr = _split(model, name)
+        taken[name] = (mod, attr + SUFFIX, mod._buffers.pop(attr + SUFFIX))
+    try:
+        yield {name: buf for name, (_, _, buf) in taken.items()}
+    finally:
+        for mod, buffer, buf in taken.values():
+            mod._buffers[buffer] = buf
+

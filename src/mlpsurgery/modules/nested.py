@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from ..errors import MLPSurgeryError
-from . import SurgeryModule, register
+from .base import SurgeryModule, register
 
 DENSE_CLASSES = ("Linear", "Conv1D")
 
@@ -149,3 +149,49 @@ class NestedLinear(SurgeryModule):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, rank={self._rank}/{self.max_rank}, "
                 f"bias={self.bias is not None}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank control over many layers: what methods/nsn.py does through the sites, and what a saved folder's
+# generated model class does with transformers alone (set_rank / set_budget on the loaded model).
+
+
+def rank_all(layers, rank: int) -> None:
+    """Run every NestedLinear in `layers` at min(rank, its max_rank)."""
+    layers = list(layers)
+    top = max(m.max_rank for m in layers)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= top:
+        raise MLPSurgeryError(f"rank must be an integer in 1..{top} (the largest max_rank of this model), not {rank!r}")
+    for m in layers:
+        m.rank = min(rank, m.max_rank)
+
+
+def flops_of(layers) -> dict:
+    """FLOPs per token of the nested layers at their current ranks, of the dense layers they replaced, and the
+    fraction."""
+    layers = list(layers)
+    flops = sum(m.flops_per_token() for m in layers)
+    dense = sum(m.dense_flops_per_token() for m in layers)
+    return {"flops": flops, "dense_flops": dense, "fraction": flops / dense}
+
+
+def rank_for_budget(layers, fraction: float) -> int:
+    """The largest single rank r (each layer at min(r, its max_rank)) whose FLOPs fit `fraction` x the dense
+    FLOPs of the nested layers."""
+    layers = list(layers)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
+        raise MLPSurgeryError(f"the FLOPs budget is a positive fraction of the dense FLOPs, not {fraction!r}")
+    dense = sum(m.dense_flops_per_token() for m in layers)
+
+    def cost(r: int) -> int:
+        return sum(2 * min(r, m.max_rank) * (m.in_features + m.out_features) for m in layers)
+
+    if cost(1) > fraction * dense:
+        raise MLPSurgeryError(f"a budget of {fraction:.4g} is below what rank 1 costs ({cost(1) / dense:.4g} of the "
+                              "dense FLOPs); give a larger budget")
+    lo, hi = 1, max(m.max_rank for m in layers)
+    while lo < hi:  # cost is non-decreasing in r
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= fraction * dense else (lo, mid - 1)
+    return lo
+
