@@ -10,8 +10,8 @@ import torch
 
 from conftest import TEXT, outputs
 from mlpsurgery.cli import main
-from mlpsurgery.errors import MLPSurgeryError, NotExportableError
-from mlpsurgery.io import export, load, save
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.io import export, load, read_manifest, save
 from mlpsurgery.methods.fusion import (METHODS, FusionConfig, _mmd_support, cluster_means, fuse, kmeans,
                                        neuron_vectors, weights_from_neurons)
 from mlpsurgery.modules.dense import DenseMLP
@@ -170,13 +170,19 @@ def test_export_after_fine_tuning_loads_in_plain_transformers(arch, ids, tmp_pat
     torch.testing.assert_close(outputs(plain.eval(), ids), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_export_of_partly_fused_model_is_refused(tmp_path):
+def test_export_of_partly_fused_model_folds_p_and_keeps_the_other_width(tmp_path, ids):
+    """Fusion of one layer of two: P folded, that layer's linears resized, the other layer whole; no single
+    intermediate size states it, so the export carries modeling code (tests/test_standalone.py loads such
+    folders in stock transformers)."""
     model = tiny_model("llama")
     fuse(model, FusionConfig(width=16), progress=False)  # default: last two thirds = layer 1 of 2
+    ref = outputs(model, ids)
     save(model, tmp_path / "m")
-    with pytest.raises(NotExportableError, match="widths differ"):
-        export(tmp_path / "m", tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
+    export(tmp_path / "m", tmp_path / "hf")
+    again = load(tmp_path / "hf")
+    assert [s.h for s in find_sites(again).mlp] == [64, 16] and not any(s.replaced for s in find_sites(again).mlp)
+    assert {e["class"] for e in read_manifest(tmp_path / "hf")["modules"]} == {"Linear"}
+    torch.testing.assert_close(outputs(again, ids), ref, rtol=1e-4, atol=1e-5)
 
 
 # ---- baselines --------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import torch
 import transformers as T
 
 from conftest import edit_manifest, outputs
-from mlpsurgery.errors import IntegrityError, MLPSurgeryError, NotExportableError
+from mlpsurgery.errors import IntegrityError, MLPSurgeryError
 from mlpsurgery.io import export, load, read_manifest, record, save
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.sites import find_sites
