@@ -10,6 +10,7 @@
 
 __version__ = "0.1.0"
 
+from .adapters import lora_config, lora_targets
 from .capture import Capture, capture_mlp_io
 from .data import LabelledSet, TokenizedCorpus, load_corpus, read_corpus, read_labelled, text_blocks, tokenize_corpus
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError, UnsupportedArchitectureError
@@ -38,5 +39,5 @@ __all__ = [
     "NSNConfig", "NSNTrainConfig", "nest", "set_budget", "set_rank", "train_nsn", "NestedLinear",
     "CoreLockerConfig", "find_ratio", "lock_folder", "lock_key", "read_key", "save_key", "unlock_folder", "unlock_key",
     "utility_curve", "adam_ntk", "ntk_error", "output_error", "FusionConfig", "fuse", "kmeans",
-    "subset_model", "prune", "TwISTConfig", "twist_extract", "twist_train",
+    "subset_model", "prune", "TwISTConfig", "twist_extract", "twist_train", "lora_config", "lora_targets",
 ]
