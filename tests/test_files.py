@@ -122,7 +122,7 @@ def test_a_save_killed_with_sigkill_leaves_the_old_folder_or_the_new_one(tmp_pat
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(out), "2", str(delay)], env=env, timeout=120,
                            capture_output=True)
-        assert r.returncode == -signal.SIGKILL
+        assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-2000:]
         now = outputs(ms.load(out), torch.tensor([[1, 2, 3]]))  # loads, checksums verified: complete
         assert torch.equal(now, old) or torch.equal(now, outputs(tiny_model("llama", seed=2), torch.tensor([[1, 2, 3]])))
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "m"]
@@ -287,3 +287,20 @@ def test_numeric_flags_out_of_range_are_refused_before_any_work(tmp_path, capsys
     code, _, err = run(capsys, *argv)
     assert one_line(code, err) and needle in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_a_dead_writer_are_finished_only_when_marked(tmp_path):
+    """A temporary sibling left by a killed process (dead pid): removed by the next write when it carries the
+    marker (mlpsurgery deletes its folders marker last, so a cut-short deletion keeps it), kept otherwise."""
+    from mlpsurgery.files import mark
+
+    dead = 2 ** 22 + 12345  # above any pid this machine hands out (pid_max <= 2**22)
+    ours = tmp_path / f".m.tmp-{dead}-0a0b"
+    ours.mkdir()
+    mark(ours, "model")
+    (ours / "model.safetensors").write_bytes(b"half")
+    theirs = tmp_path / f".m.tmp-{dead}-ffff"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("not mlpsurgery's")
+    ms.save(tiny_model("llama"), tmp_path / "m")
+    assert not ours.exists() and (theirs / "notes.txt").read_text() == "not mlpsurgery's"

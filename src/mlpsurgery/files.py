@@ -72,12 +72,31 @@ def _empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
+def _remove(folder: Path) -> None:
+    """Delete a folder of ours, its marker last: a deletion cut short (kill -9) leaves a folder that still says
+    it is mlpsurgery's, so the next run may finish the job."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for child in folder.iterdir():
+        if child.name == MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
+    with contextlib.suppress(OSError):
+        (folder / MARKER).unlink()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
 def remove_ours(folder: str | Path) -> bool:
     """Delete `folder` if mlpsurgery created it (marker present); leave anything else alone. True if removed."""
     folder = Path(folder)
     if folder.is_symlink() or not is_ours(folder):
         return False
-    shutil.rmtree(folder, ignore_errors=True)
+    _remove(folder)
     return True
 
 
@@ -189,7 +208,7 @@ def clean_leftovers(out: str | Path) -> None:
         if tag == _OLD and not out.exists() and is_ours(p):
             os.replace(p, out)
         else:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p)
 
 
 def _temp_name(out: Path, tag: str) -> Path:
@@ -238,12 +257,12 @@ def publish(tmp: Path, out: Path) -> None:
             raise MLPSurgeryError(f"{out} was created by someone else while this command ran; the result was not "
                                   "written. Choose another --out and run again")
         if _exchange(tmp, out):
-            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
+            _remove(tmp)  # tmp now holds the old folder
             return
         old = _temp_name(out, _OLD)
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         return
     os.replace(tmp, out)
 
@@ -264,7 +283,7 @@ def atomic_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | 
         normal_permissions(tmp)
         publish(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
 
 

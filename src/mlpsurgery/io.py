@@ -70,14 +70,13 @@ def _own_shapes(mod: nn.Module) -> dict[str, tuple]:
 
 
 def replaced_modules(model: nn.Module) -> list[dict[str, Any]]:
-    """Modules whose class (or own parameter shapes) differ from the stock architecture at the same path
-    (outermost only): what `load` must rebuild before the weights fit."""
-    stock = dict(_stock(model.config, type(model).__name__).named_modules())
-    out, covered = [], []
+    """Modules whose class (or own parameter shapes) differ from what the path would hold otherwise: what `load`
+    must rebuild, in this order, before the weights fit. A replaced module's children are compared with a fresh
+    build of it, so surgery inside it (a fused MLP whose projections were nested) is recorded too."""
+    ref_of = dict(_stock(model.config, type(model).__name__).named_modules())
+    out = []
     for path, mod in model.named_modules():
-        if any(path.startswith(c + ".") for c in covered):
-            continue
-        ref = stock.get(path)
+        ref = ref_of.get(path)
         if ref is not None and type(ref) is type(mod) and _own_shapes(ref) == _own_shapes(mod):
             continue
         name = type(mod).__name__
@@ -85,8 +84,16 @@ def replaced_modules(model: nn.Module) -> list[dict[str, Any]]:
             raise MLPSurgeryError(
                 f"{path} is a {name}, which is not a registered mlpsurgery module; register it with "
                 "@mlpsurgery.modules.register (and give it config()/from_config) so it can be saved and rebuilt")
-        out.append({"path": path, "class": name, "config": module_config(mod)})
-        covered.append(path)
+        config = module_config(mod)
+        out.append({"path": path, "class": name, "config": config})
+        with torch.device("meta"):
+            fresh = build(name, config)
+        for sub, child in fresh.named_modules():  # what the rebuilt module's insides hold by themselves
+            if sub:
+                ref_of[f"{path}.{sub}"] = child
+        for stale in [p for p in ref_of if p.startswith(path + ".") and p.removeprefix(path + ".")
+                      not in dict(fresh.named_modules())]:
+            del ref_of[stale]
     return out
 
 
@@ -587,7 +594,7 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
 
     path_of = {id(m): p for p, m in model.named_modules()}
     rewritten = [path_of[id(m)] + "." for i in groups for m in sites.attn[i].projections()]
-    rewritten += [path_of[id(m)] + "." for i in neurons for m in sites.mlp[i].linears().values()]
+    rewritten += [path_of[id(m)] + "." for i in neurons for m in sites.mlp[i].modules()]  # (or what replaced it)
     src_state = model.state_dict()
     with torch.no_grad():
         for k, v in new.state_dict().items():

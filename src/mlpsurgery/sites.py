@@ -437,7 +437,9 @@ class MLPSite:
 
     @property
     def h(self) -> int:
-        self._require_original()
+        """Inner width: of the stock MLP, or of the dense form of what replaced it (see `read`)."""
+        if self.replaced:
+            return self.read().h
         return _weight(self._mlp_part(self.spec.down)).shape[1]
 
     def modules(self) -> list[nn.Module]:
@@ -460,23 +462,46 @@ class MLPSite:
 
     # ---- weights ----
     def read(self) -> MLPWeights:
-        """The MLP's weights (detached copies) in canonical orientation."""
-        self._require_original()
+        """The MLP's weights (detached copies) in canonical orientation: of the function it computes now. After a
+        surgery that has a dense form (a fused or dense MLP installed with replace_mlp: `to_mlp_weights`; nested or
+        factored projections: `to_dense`, at their current rank) that form is read, so methods compose; after one
+        that has none (a DLR-Net in place of the sub-block) this refuses."""
+        mod = self.module
+        if self.replaced and self.spec.mlp_layout == "module" and hasattr(mod, "to_mlp_weights"):
+            w = mod.to_mlp_weights()
+            if w is None:
+                raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has no "
+                                      "dense-MLP form to read; apply this method before that one")
+            return w
         s = self.spec
-        down = self._mlp_part(s.down)
+
+        def part(name: str) -> nn.Module:
+            m = self._mlp_part(name)
+            if isinstance(m, (nn.Linear, Conv1D)):
+                return m
+            if hasattr(m, "to_dense"):
+                return m.to_dense()
+            raise MLPSurgeryError(f"layer {self.index}: the MLP's {name} was replaced by {type(m).__name__}, which has no "
+                                  "dense form to read; apply this method before that one")
+
+        try:
+            down = part(s.down)
+        except AttributeError:
+            raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has no "
+                                  "dense-MLP form to read; apply this method before that one") from None
         w: dict = {"down": _weight(down), "down_bias": _bias(down), "activation": self.activation}
         if s.gate_up:
-            fused = self._mlp_part(s.gate_up)
+            fused = part(s.gate_up)
             gate, up = _weight(fused).chunk(2, dim=0)
             w.update(gate=gate, up=up)
             b = _bias(fused)
             if b is not None:
                 w["gate_bias"], w["up_bias"] = b.chunk(2)
         else:
-            up = self._mlp_part(s.up)
+            up = part(s.up)
             w.update(up=_weight(up), up_bias=_bias(up))
             if s.gate:
-                gate = self._mlp_part(s.gate)
+                gate = part(s.gate)
                 w.update(gate=_weight(gate), gate_bias=_bias(gate))
         w = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in w.items()}
         return MLPWeights(**w)

@@ -143,8 +143,11 @@ def plan(model: nn.Module, cfg: DLRConfig) -> tuple[list[int], int, int]:
     sites = find_sites(model)
     layers = parse_layers(cfg.layers, len(sites))
     budgets = {sum(p.numel() for p in sites.mlp[i].parameters()) for i in layers}
-    if any(sites.mlp[i].replaced for i in layers):
-        raise MLPSurgeryError("DLR-Lock needs the original MLPs; some chosen layers were already replaced")
+    locked = [i for i in layers if isinstance(sites.mlp[i].module, DLRNet)]
+    if locked:
+        raise MLPSurgeryError(f"layers {locked} are already DLR-locked; choose other layers (--layers)")
+    # Any other module computing the sub-block (nested, fused, pruned MLPs) is distilled as it is: phase 1 sees
+    # only what enters and leaves the sub-block.
     budget = max(budgets)
     depth = cfg.depth or dlr_depth(budget, sites.config.hidden_size, cfg.rank)
     return layers, depth, budget

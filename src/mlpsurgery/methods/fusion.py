@@ -268,12 +268,15 @@ def _importance(w: MLPWeights, x: Tensor | None) -> Tensor:
 
 def _svd_(site: MLPSite, k: int, h: int) -> list[dict]:
     """Replace each MLP projection by its truncated SVD keeping k/h of its weights."""
+    if site.replaced:
+        raise MLPSurgeryError(f"layer {site.index}: the svd baseline factorises the stock projections, and this MLP was "
+                              f"replaced by {type(site.module).__name__}; apply svd first")
     ranks = []
     for role, mod in site.linears().items():
         weight, bias = linear_weight(mod)
         out_f, in_f = weight.shape
         rank = max(1, (out_f * in_f * k // h) // (out_f + in_f))
-        site.replace_linear(role, TruncatedSVDLinear.from_weight(weight, bias, rank))
+        site.replace_linear(role, TruncatedSVDLinear.from_weight(weight, bias, rank, dense_class=type(mod).__name__))
         ranks.append({"projection": role, "shape": [out_f, in_f], "rank": rank})
     return ranks
 
@@ -411,9 +414,9 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     layers = parse_layers(cfg.layers, len(sites), DEFAULT_LAYERS)
     if not layers:
         raise MLPSurgeryError(f"layer selection {cfg.layers!r} chose no layer of this {len(sites)}-layer model")
-    done = [i for i in layers if sites.mlp[i].replaced]
-    if done:
-        raise MLPSurgeryError(f"layers {done} were already replaced by another module; start from the original model")
+    for i in layers:  # a replaced MLP is compressed from its dense form (fused, nested at its rank); else refused
+        if sites.mlp[i].replaced:
+            sites.mlp[i].read()
     hs = {sites.mlp[i].h for i in layers}
     k = cfg.width if cfg.width is not None else min(hs) // 4
     bad = sorted(h for h in hs if not 1 <= k <= h)

@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
 
 from ..errors import MLPSurgeryError
 from ..io import check_out, record
@@ -74,14 +75,47 @@ class NSNConfig:
     layers: str = "all"
 
 
-def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None = None) -> Iterator[tuple]:
-    """(site, role, projection module) for every projection reachable through the sites layer."""
+class _Slot:
+    """One projection reachable through the sites layer: where it sits (layer index, role) and how to swap it."""
+
+    def __init__(self, site, role: str, module: nn.Module, owner: nn.Module | None = None):
+        self.site, self.role, self.module, self._owner = site, role, module, owner
+
+    @property
+    def index(self) -> int:
+        return self.site.index
+
+    def replace(self, new: nn.Module) -> None:
+        if self._owner is None:
+            self.site.replace_linear(self.role, new)
+        else:  # a projection inside a module that replaced the MLP (fused or dense MLPs hold stock linears)
+            setattr(self._owner, self.role.rpartition(".")[2], new)
+
+
+def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None = None) -> Iterator[_Slot]:
+    """Every projection reachable through the sites layer (and the stock linears inside a replaced MLP)."""
     sites = find_sites(model)
     chosen = range(len(sites)) if layers is None else layers
     for i in chosen:
-        yield from ((sites.mlp[i], role, m) for role, m in sites.mlp[i].linears().items())
+        mlp = sites.mlp[i]
+        if mlp.replaced and mlp.spec.mlp_layout == "module" and not isinstance(mlp.module, nn.Identity):
+            found = [(name, m) for name, m in mlp.module.named_modules()
+                     if isinstance(m, (nn.Linear, Conv1D, NestedLinear))]
+            if not found:
+                raise MLPSurgeryError(f"layer {i}: the MLP was replaced by {type(mlp.module).__name__}, which has no "
+                                      "linear projections to nest; nest before that surgery")
+            for name, m in found:
+                parent = name.rpartition(".")[0]
+                yield _Slot(mlp, name, m, mlp.module.get_submodule(parent) if parent else mlp.module)
+        else:
+            try:
+                parts = mlp.linears()
+            except AttributeError:
+                raise MLPSurgeryError(f"layer {i}: the MLP was replaced by {type(mlp.module).__name__}, which has no "
+                                      "stock projections to nest; nest before that surgery") from None
+            yield from (_Slot(mlp, role, m) for role, m in parts.items())
         if modules == "mlp+attn":
-            yield from ((sites.attn[i], role, m) for role, m in sites.attn[i].linears().items())
+            yield from (_Slot(sites.attn[i], role, m) for role, m in sites.attn[i].linears().items())
 
 
 def nest(model: nn.Module, cfg: NSNConfig | None = None) -> nn.Module:
@@ -93,14 +127,14 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None) -> nn.Module:
         raise MLPSurgeryError(f"max_rank must be at least 1, not {cfg.max_rank}")
     layers = parse_layers(cfg.layers, len(find_sites(model)))
     slots = list(_slots(model, cfg.modules, layers))
-    done = [f"layer {s.index} {role}" for s, role, m in slots if isinstance(m, NestedLinear)]
+    done = [f"layer {s.index} {s.role}" for s in slots if isinstance(s.module, NestedLinear)]
     if done:
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
-    for site, role, mod in slots:
-        weight, bias = linear_weight(mod)
+    for slot in slots:
+        weight, bias = linear_weight(slot.module)
         R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
-        site.replace_linear(role, NestedLinear.from_weight(weight, bias, R, dense_class=type(mod).__name__))
+        slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
     record(model, "nsn", asdict(cfg), projections=len(slots))
     return model
 
@@ -132,9 +166,9 @@ def current_ranks(model: nn.Module) -> dict[str, int]:
 
 def _by_layer(model: nn.Module) -> dict[int, list[NestedLinear]]:
     out: dict[int, list[NestedLinear]] = {}
-    for site, _, m in _slots(model):
-        if isinstance(m, NestedLinear):
-            out.setdefault(site.index, []).append(m)
+    for slot in _slots(model):
+        if isinstance(slot.module, NestedLinear):
+            out.setdefault(slot.index, []).append(slot.module)
     return out
 
 
@@ -544,8 +578,8 @@ def classifier_metrics(model: nn.Module, tokenizer, data, max_len: int = 128, ba
 # Export at a fixed rank
 
 
-def _nested_slots(model: nn.Module) -> list[tuple]:
-    return [(s, role, m) for s, role, m in _slots(model) if isinstance(m, NestedLinear)]
+def _nested_slots(model: nn.Module) -> list[_Slot]:
+    return [s for s in _slots(model) if isinstance(s.module, NestedLinear)]
 
 
 def truncate(model: nn.Module) -> nn.Module:
@@ -554,9 +588,9 @@ def truncate(model: nn.Module) -> nn.Module:
     slots = _nested_slots(model)
     if not slots:
         _require_nested(model)
-    ranks = {f"{s.index}.{role}": m.rank for s, role, m in slots}
-    for s, role, m in slots:
-        s.replace_linear(role, m.truncated())
+    ranks = {f"{s.index}.{s.role}": s.module.rank for s in slots}
+    for s in slots:
+        s.replace(s.module.truncated())
     record(model, "nsn-truncate", {"ranks": sorted(set(ranks.values()))})
     return model
 
@@ -567,9 +601,9 @@ def fold(model: nn.Module) -> nn.Module:
     slots = _nested_slots(model)
     if not slots:
         _require_nested(model)
-    ranks = sorted({m.rank for _, _, m in slots})
-    for s, role, m in slots:
-        s.replace_linear(role, m.to_dense())
+    ranks = sorted({s.module.rank for s in slots})
+    for s in slots:
+        s.replace(s.module.to_dense())
     record(model, "nsn-fold", {"ranks": ranks})
     return model
 

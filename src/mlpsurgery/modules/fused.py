@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
 
 from ..sites import MLPWeights  # library side only (from_centroids / to_mlp_weights), never at inference
 from .base import SurgeryModule, register
@@ -58,9 +59,12 @@ class FusedMLP(DenseMLP):
 class TruncatedSVDLinear(SurgeryModule):
     """y = x Vᵀ Uᵀ + b with U (out, r), V (r, in): a rank-r factorisation of one linear map."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
+                 dense_class: str = "Linear"):
         super().__init__()
         self._cfg = dict(in_features=in_features, out_features=out_features, rank=rank, bias=bias)
+        if dense_class != "Linear":  # recorded only where it differs, so older manifests read the same
+            self._cfg["dense_class"] = dense_class
         self.V = nn.Linear(in_features, rank, bias=False)
         self.U = nn.Linear(rank, out_features, bias=bias)
 
@@ -68,13 +72,16 @@ class TruncatedSVDLinear(SurgeryModule):
         return dict(self._cfg)
 
     @classmethod
-    def from_weight(cls, weight: Tensor, bias: Tensor | None, rank: int) -> "TruncatedSVDLinear":
+    def from_weight(cls, weight: Tensor, bias: Tensor | None, rank: int,
+                    dense_class: str = "Linear") -> "TruncatedSVDLinear":
         """The best rank-`rank` approximation (Eckart-Young) of weight (out, in), the singular values
-        split evenly (sqrt) between the two factors so neither is badly scaled for fine-tuning."""
+        split evenly (sqrt) between the two factors so neither is badly scaled for fine-tuning. dense_class: the
+        stock module it replaces ("Linear", or "Conv1D" for GPT-2), which `to_dense` gives back."""
         out_f, in_f = weight.shape
         U, S, Vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
         root = S[:rank].sqrt()
-        mod = cls(in_f, out_f, rank, bias=bias is not None).to(device=weight.device, dtype=weight.dtype)
+        mod = cls(in_f, out_f, rank, bias=bias is not None, dense_class=dense_class).to(device=weight.device,
+                                                                                        dtype=weight.dtype)
         with torch.no_grad():
             mod.U.weight.copy_(U[:, :rank] * root)
             mod.V.weight.copy_(root[:, None] * Vh[:rank])
@@ -84,6 +91,24 @@ class TruncatedSVDLinear(SurgeryModule):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         return self.U(self.V(x))
+
+    def to_dense(self) -> nn.Module:
+        """The stock module of the original shape computing the same map (W = U V): Linear, or GPT-2's Conv1D."""
+        cfg = self._cfg
+        p = self.U.weight
+        w = (self.U.weight @ self.V.weight).detach()
+        if cfg.get("dense_class") == "Conv1D":
+            mod = Conv1D(cfg["out_features"], cfg["in_features"]).to(device=p.device, dtype=p.dtype)
+            w = w.t()
+            if not cfg["bias"]:
+                mod.bias = None
+        else:
+            mod = nn.Linear(cfg["in_features"], cfg["out_features"], bias=cfg["bias"], device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            mod.weight.copy_(w)
+            if cfg["bias"]:
+                mod.bias.copy_(self.U.bias)
+        return mod
 
     def export_blocker(self) -> str:
         return "a truncated-SVD projection has no smaller dense MLP equivalent"

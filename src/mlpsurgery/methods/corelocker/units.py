@@ -149,10 +149,11 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGro
         raise MLPSurgeryError("the scale indicator ranks normalisation channels, and transformers have no norm "
                               f"per MLP neuron or head; use --indicator scale with --unit weight, or --indicator "
                               f"l1 / random with --unit {cfg.unit}")
-    for s in sites.mlp:
-        if s.replaced:
-            raise MLPSurgeryError(f"layer {s.index}: the MLP was replaced by {type(s.module).__name__}; CoreLocker "
-                                  "extracts from stock MLPs (lock the model before other surgery)")
+    if cfg.unit == "neuron":
+        for s in sites.mlp:
+            if s.replaced:
+                raise MLPSurgeryError(f"layer {s.index}: the MLP was replaced by {type(s.module).__name__}, which has no "
+                                      "stock neurons; lock with --unit weight (any weights) or lock before that surgery")
     groups: list[UnitGroup] = []
     if cfg.indicator == "scale":
         for mlp, attn in zip(sites.mlp, sites.attn):
@@ -166,8 +167,13 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGro
         return groups
     if cfg.unit == "weight":
         for mlp, attn in zip(sites.mlp, sites.attn):
-            for mod in list(mlp.linears().values()) + list(attn.linears().values()):
-                groups.append(_weight_group(pnames[id(mod.weight)], mod.weight, cfg, len(groups)))
+            if mlp.replaced:  # whatever computes the MLP now (fused, nested, DLR-Net ...): its weight tensors
+                weights = [p for p in mlp.parameters() if p.dim() >= 2]
+            else:
+                weights = [mod.weight for mod in mlp.linears().values()]
+            weights += [mod.weight for mod in attn.linears().values()]
+            for w in weights:
+                groups.append(_weight_group(pnames[id(w)], w, cfg, len(groups)))
         if cfg.include_io:
             params = dict(model.named_parameters())
             seen = {id(params[g.name]) for g in groups}
