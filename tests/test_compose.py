@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
 import mlpsurgery as ms
 from conftest import outputs
@@ -57,10 +57,15 @@ def apply(name: str, model, tmp_path, keys: list):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("first,second", list(itertools.permutations(METHODS, 2)))
-def test_two_methods_in_sequence_give_a_valid_model(tmp_path, first, second):
+PAIRS = [("llama", a, b) for a, b in itertools.permutations(METHODS, 2)]
+# the layouts whose MLP lives in separate slots (OPT: fc1/fc2 on the layer; BERT: intermediate/output; GPT-2: Conv1D)
+PAIRS += [(arch, a, b) for arch in ("gpt2", "opt", "bert") for a, b in sorted(MUST_WORK)]
+
+
+@pytest.mark.parametrize("arch,first,second", PAIRS)
+def test_two_methods_in_sequence_give_a_valid_model(tmp_path, arch, first, second):
     keys: list = []
-    model = apply(first, tiny_model("llama"), tmp_path, keys)
+    model = apply(first, tiny_model(arch), tmp_path, keys)
     try:
         model = apply(second, model, tmp_path, keys)
     except MLPSurgeryError as e:
@@ -81,7 +86,8 @@ def test_two_methods_in_sequence_give_a_valid_model(tmp_path, first, second):
         after = again.state_dict()
         assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     out = ms.export(folder, tmp_path / "exported")
-    exported = ms.load(out) if (out / "surgery.json").exists() else AutoModelForCausalLM.from_pretrained(out).eval()
+    stock = AutoModel if arch == "bert" else AutoModelForCausalLM
+    exported = ms.load(out) if (out / "surgery.json").exists() else stock.from_pretrained(out).eval()
     torch.testing.assert_close(outputs(exported, IDS), ref, rtol=1e-4, atol=1e-4)
 
 

@@ -278,11 +278,15 @@ def test_bad_input_is_a_clear_error_and_leaves_the_model_alone(cfg, needle, ids)
     assert torch.equal(outputs(model, ids), ref)
 
 
-def test_fusing_a_fused_layer_is_refused():
+def test_fusing_a_fused_layer_fuses_its_dense_form():
+    """Fusion composes: a second fuse reads the fused MLP's dense form and clusters its neurons again."""
     model = tiny_model("llama")
     fuse(model, FusionConfig(width=8, layers="all"), progress=False)
-    with pytest.raises(MLPSurgeryError, match="already replaced"):
-        fuse(model, FusionConfig(width=4, layers="all"), progress=False)
+    first = [s.read() for s in find_sites(model).mlp]
+    fuse(model, FusionConfig(width=4, layers="all"), progress=False)
+    for s, w in zip(find_sites(model).mlp, first):
+        assert isinstance(s.module, FusedMLP) and s.read().up.shape[0] == 4
+        assert w.up.shape[0] == 8
 
 
 # ---- CLI --------------------------------------------------------------------------------------------

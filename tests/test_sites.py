@@ -82,10 +82,25 @@ def test_replace_subblock_with_equivalent_function_keeps_outputs(model, ids):
     torch.testing.assert_close(outputs(model, ids), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_replaced_site_refuses_canonical_read(model):
+def test_replaced_site_reads_the_dense_form_or_refuses(model):
+    """After replace_mlp, read() gives the replacement's dense form (so methods compose); a module with no dense form
+    is refused with a message naming it, never read as if it were the stock MLP."""
     s = find_sites(model).mlp[0]
-    s.replace_mlp(DenseMLP.from_weights(s.read()))
-    with pytest.raises(MLPSurgeryError, match="replaced"):
+    w = s.read()
+    dense = DenseMLP.from_weights(w)
+    with torch.no_grad():
+        dense.up.weight.mul_(2.0)
+    s.replace_mlp(dense)
+    again = s.read()
+    torch.testing.assert_close(again.up, w.up * 2.0)
+    torch.testing.assert_close(again.down, w.down)
+
+    class Opaque(nn.Module):
+        def forward(self, x):
+            return x
+
+    s.replace_mlp(Opaque())
+    with pytest.raises(MLPSurgeryError, match="replaced by Opaque"):
         s.read()
 
 

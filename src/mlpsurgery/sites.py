@@ -467,7 +467,7 @@ class MLPSite:
         factored projections: `to_dense`, at their current rank) that form is read, so methods compose; after one
         that has none (a DLR-Net in place of the sub-block) this refuses."""
         mod = self.module
-        if self.replaced and self.spec.mlp_layout == "module" and hasattr(mod, "to_mlp_weights"):
+        if self.replaced and hasattr(mod, "to_mlp_weights"):
             w = mod.to_mlp_weights()
             if w is None:
                 raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has no "
@@ -481,6 +481,9 @@ class MLPSite:
                 return m
             if hasattr(m, "to_dense"):
                 return m.to_dense()
+            if isinstance(m, nn.Identity):  # the whole MLP was replaced (opt / bert layouts keep it in another slot)
+                raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has no "
+                                      "dense-MLP form to read; apply this method before that one")
             raise MLPSurgeryError(f"layer {self.index}: the MLP's {name} was replaced by {type(m).__name__}, which has no "
                                   "dense form to read; apply this method before that one")
 
