@@ -436,6 +436,19 @@ class TokenizedCorpus:
         return out
 
 
+def default_heldout(docs: list[Document]) -> tuple[tuple[str, ...], str] | float:
+    """The held-out rule of a corpus when none is given: (names of whole documents, why) for a DatasetDict's own
+    test / validation split and for the bundled Austen (Persuasion); else 0.1, the last 10% of each document."""
+    names = [d.name for d in docs]
+    own = sorted({d.split for d in docs if d.split and d.split != "train"})
+    if own and any(d.split == "train" for d in docs):
+        held = tuple(d.name for d in docs if d.split in own)
+        return held, f"the dataset's own split: {', '.join(own)} held out ({len(held)} whole documents), train trains"
+    if set(AUSTEN_HELDOUT) <= set(names) and len(names) > 1:
+        return AUSTEN_HELDOUT, f"whole documents held out: {', '.join(AUSTEN_HELDOUT)}"
+    return 0.1
+
+
 def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] | tuple[str, ...] | None = None,
                     source: str = "") -> TokenizedCorpus:
     """Split documents into train and held-out token sequences.
@@ -444,16 +457,10 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
     hold out. Default: the bundled Austen corpus holds out Persuasion; anything else its last 10%.
     """
     names = [d.name for d in docs]
-    own = ""  # the dataset's own held-out split (a DatasetDict's test or validation), when it decides
+    why = ""
     if heldout is None:
-        own_splits = sorted({d.split for d in docs if d.split and d.split != "train"})
-        if own_splits and any(d.split == "train" for d in docs):
-            own = ", ".join(own_splits)
-            heldout = [d.name for d in docs if d.split in own_splits]
-        elif set(AUSTEN_HELDOUT) <= set(names) and len(names) > 1:
-            heldout = list(AUSTEN_HELDOUT)
-        else:
-            heldout = 0.1
+        rule = default_heldout(docs)
+        heldout, why = (list(rule[0]), rule[1]) if isinstance(rule, tuple) else (rule, "")
     train, held, tn, hn = [], [], [], []
     if isinstance(heldout, (list, tuple)):
         unknown = sorted(set(heldout) - set(names))
@@ -465,8 +472,7 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
             ids = torch.tensor(encode(tokenizer, d.text), dtype=torch.long)
             (held if d.name in heldout else train).append(ids)
             (hn if d.name in heldout else tn).append(d.name)
-        split = (f"the dataset's own split: {own} held out ({len(hn)} whole documents), train trains" if own
-                 else f"whole documents held out: {', '.join(heldout)}")
+        split = why or f"whole documents held out: {', '.join(heldout)}"
     else:
         frac = float(heldout)
         if not 0.0 < frac < 1.0:
