@@ -362,8 +362,8 @@ def evaluate(model, tokenizer, tasks: list[str], documents: list[Document] | Non
                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
         except MLPSurgeryError:
             raise
-        except (ValueError, KeyError, TypeError, FileNotFoundError, AssertionError) as e:
-            # what a user's task YAML gets wrong (a missing column, a bad template, a data file that is not there)
+        except Exception as e:  # noqa: BLE001 - lm-eval and datasets raise anything for a bad task (a missing column,
+            # a bad template, a data file that is not there or not JSON): one line that names it, not a traceback
             raise MLPSurgeryError(f"lm-eval could not run {', '.join(names)} ({type(e).__name__}: {_first_line(e)}); "
                                   "check the task YAML and its data") from None
         seconds = time.perf_counter() - t0
