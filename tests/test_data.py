@@ -102,3 +102,183 @@ def test_stratified_split_and_sample():
         n = ds.labels.count(c)
         assert abs(part.labels.count(c) - 0.1 * n) <= 1
     assert len(ds.sample(100)) in range(95, 106)
+
+
+# ---- tables read through `datasets`: save_to_disk folders, parquet, JSONL, CSV ---------------------------------
+
+datasets = pytest.importorskip("datasets", reason="the datasets package is not installed (bash install.sh)")
+NEWS = [f"story number {i} about markets, rates and the weather in town. " * 3 for i in range(6)]
+
+
+@pytest.fixture(autouse=False)
+def private_tmp(tmp_path, monkeypatch):
+    """Temporary files of the readers go here, so a test can see that nothing outlives a read."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    return scratch
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "json", "csv", "jsonl.gz"])
+def test_corpus_from_table_files(tmp_path, tokenizer, private_tmp, fmt):
+    ds = datasets.Dataset.from_dict({"id": list(range(6)), "content": NEWS, "source": ["wire"] * 6})
+    path = tmp_path / f"news.{fmt}"
+    if fmt == "parquet":
+        ds.to_parquet(str(path))
+    elif fmt == "csv":
+        ds.to_csv(str(path), index=False)
+    elif fmt == "jsonl.gz":
+        path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ds).encode()))
+    else:
+        ds.to_json(str(path), lines=True)
+    docs = read_corpus(path)  # two string columns: the one named 'content' is the text
+    assert [d.text for d in docs] == NEWS and docs[0].name == "news-0" and docs[0].split == ""
+    c = load_corpus(path, tokenizer)
+    assert "last 10%" in c.split and len(c.heldout) == 6
+    assert not list(private_tmp.iterdir())  # the Arrow cache of the read is gone
+
+
+def test_corpus_table_columns(tmp_path):
+    datasets.Dataset.from_dict({"n": [1, 2], "body": ["one text", "two text"]}).to_parquet(str(tmp_path / "a.parquet"))
+    assert [d.text for d in read_corpus(tmp_path / "a.parquet")] == ["one text", "two text"]  # the only string column
+    datasets.Dataset.from_dict({"a": ["x", "y"], "b": ["first", "second"]}).to_parquet(str(tmp_path / "b.parquet"))
+    with pytest.raises(MLPSurgeryError, match=r"several string columns \(a, b\).*:text=COL"):
+        read_corpus(tmp_path / "b.parquet")
+    assert [d.text for d in read_corpus(f"{tmp_path / 'b.parquet'}:text=b")] == ["first", "second"]
+    assert [d.text for d in read_corpus(tmp_path / "b.parquet", text_col="b")] == ["first", "second"]
+    with pytest.raises(MLPSurgeryError, match=r"no column 'c' \(columns: a \(string\), b \(string\)\)"):
+        read_corpus(f"{tmp_path / 'b.parquet'}:text=c")
+    with pytest.raises(MLPSurgeryError, match="holds int64, not text"):
+        read_corpus(f"{tmp_path / 'a.parquet'}:text=n")
+    (tmp_path / "plain.txt").write_text("words " * 50)
+    with pytest.raises(MLPSurgeryError, match="plain text, not a table"):
+        read_corpus(f"{tmp_path / 'plain.txt'}:text=body")
+
+
+def test_corpus_from_datasetdict_keeps_its_split(tmp_path, tokenizer):
+    train = datasets.Dataset.from_dict({"text": NEWS[:4]})
+    test = datasets.Dataset.from_dict({"text": NEWS[4:]})
+    datasets.DatasetDict(train=train, test=test, validation=datasets.Dataset.from_dict({"text": ["unused"]})) \
+        .save_to_disk(str(tmp_path / "dd"))
+    docs = read_corpus(tmp_path / "dd")
+    assert [d.split for d in docs] == ["train"] * 4 + ["test"] * 2  # validation is not read when test exists
+    c = load_corpus(tmp_path / "dd", tokenizer)
+    assert c.heldout_names == ["test-0", "test-1"] and len(c.train_names) == 4
+    assert "own split: test held out (2 whole documents)" in c.split
+    assert torch.equal(c.heldout[0], torch.tensor(encode(tokenizer, NEWS[4])))  # whole documents, untouched
+    assert "last 10%" in load_corpus(tmp_path / "dd", tokenizer, heldout=0.1).split  # an explicit rule still wins
+
+    datasets.DatasetDict(train=train, validation=test).save_to_disk(str(tmp_path / "dv"))
+    assert load_corpus(tmp_path / "dv", tokenizer).heldout_names == ["validation-0", "validation-1"]
+    # one split's folder is a Dataset folder of its own: the usual 10% rule
+    one = load_corpus(tmp_path / "dd" / "test", tokenizer)
+    assert one.train_names == ["test-0", "test-1"] and "last 10%" in one.split
+    datasets.DatasetDict(a=train, b=test).save_to_disk(str(tmp_path / "ab"))
+    with pytest.raises(MLPSurgeryError, match=r"splits a, b: it needs a 'train' split.*ab/a"):
+        read_corpus(tmp_path / "ab")
+    datasets.DatasetDict(train=train, test=datasets.Dataset.from_dict({"text": ["  ", ""]})).save_to_disk(
+        str(tmp_path / "blank"))
+    with pytest.raises(MLPSurgeryError, match="split 'test' of .* has no text"):
+        read_corpus(tmp_path / "blank")
+
+
+def test_labelled_from_tables(tmp_path, private_tmp):
+    feats = datasets.Features({"sentence": datasets.Value("string"), "topic": datasets.Value("string"),
+                               "label": datasets.ClassLabel(names=["neg", "pos"])})
+    rows = {"sentence": ["good film", "bad film", "fine film", ""], "topic": ["f"] * 4, "label": [1, 0, 1, 0]}
+    ds = datasets.Dataset.from_dict(rows, features=feats)
+    ds.to_parquet(str(tmp_path / "s.parquet"))
+    got = read_labelled(tmp_path / "s.parquet")  # ClassLabel ids become their names; the empty row is dropped
+    assert got.texts == ["good film", "bad film", "fine film"] and got.classes == ["neg", "pos"] and got.labels == [1, 0, 1]
+    ds.save_to_disk(str(tmp_path / "one"))
+    assert read_labelled(tmp_path / "one").texts == got.texts  # a Dataset folder
+    test = datasets.Dataset.from_dict({"sentence": ["awful film", "great film"], "topic": ["f", "f"], "label": [0, -1]},
+                                      features=feats)
+    datasets.DatasetDict(train=ds, test=test).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(MLPSurgeryError, match=r"splits train, test: name the one to read, .*dd/train or .*dd/test"):
+        read_labelled(tmp_path / "dd")  # which side it plays is the caller's to say: never guessed
+    held = read_labelled(tmp_path / "dd", split="heldout", classes=got.classes)
+    assert held.texts == ["awful film"]  # label -1 (unlabelled) is dropped
+    assert read_labelled(tmp_path / "dd", split="train").texts == got.texts
+    assert read_labelled(tmp_path / "dd" / "test").texts == ["awful film"]
+    # columns by name, by the suffix, or refused
+    datasets.Dataset.from_dict({"body": ["a", "b"], "who": ["x", "y"]}).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(MLPSurgeryError, match="no column named label, labels, class, category.*:label=COL"):
+        read_labelled(tmp_path / "t.parquet")
+    named = read_labelled(f"{tmp_path / 't.parquet'}:text=body,label=who")
+    assert named.texts == ["a", "b"] and named.classes == ["x", "y"] and named.name == "t.parquet"
+    assert read_labelled(f"{tmp_path / 't.parquet'}:label=who").texts == ["a", "b"]  # body: the other string column
+    datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0.5, 1.5]}).to_parquet(str(tmp_path / "f.parquet"))
+    with pytest.raises(MLPSurgeryError, match="holds float64, not class labels"):
+        read_labelled(tmp_path / "f.parquet")
+    # the JSONL / CSV reader knows the same column names
+    (tmp_path / "c.csv").write_text("sentence,category\nnice,pos\nugly,neg\n")
+    assert read_labelled(tmp_path / "c.csv").classes == ["neg", "pos"]
+    assert not list(private_tmp.iterdir())
+
+
+def test_malformed_tables_are_refused_in_one_line(tmp_path, private_tmp):
+    cases = {
+        "empty.jsonl": (b"", "is empty"),
+        "bad.jsonl": (b'{"text": "a"}\n{oops\n', r"could not be read as JSON lines \(JSON parse error.*row 1"),
+        "bad.parquet": (b"PAR1 not really parquet", "could not be read as parquet .*magic bytes"),
+        "header.csv": (b"text,label\n", "header.csv has no rows"),
+        "numbers.csv": (b"a,b\n1,2\n3,4\n", "no text column: no column holds strings"),
+    }
+    for name, (body, message) in cases.items():
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(MLPSurgeryError, match=message) as e:
+            read_corpus(tmp_path / name)
+        assert "\n" not in str(e.value), name
+    datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")})) \
+        .save_to_disk(str(tmp_path / "none"))
+    with pytest.raises(MLPSurgeryError, match="has no rows|could not be read as a datasets folder"):
+        read_corpus(tmp_path / "none")  # (datasets itself cannot reload a folder of zero shards)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "state.json").write_text("{not json")
+    (tmp_path / "broken" / "dataset_info.json").write_text("{}")
+    with pytest.raises(MLPSurgeryError, match="could not be read as a datasets folder") as e:
+        read_labelled(tmp_path / "broken")
+    assert "\n" not in str(e.value)
+    with pytest.raises(MLPSurgeryError, match="names the text column twice"):
+        read_corpus(f"{tmp_path}/x.parquet:text=a,text=b")
+    assert not list(private_tmp.iterdir())
+
+
+def test_cli_reads_a_table(tmp_path, capsys):
+    from mlpsurgery.cli import main
+
+    datasets.Dataset.from_dict({"n": [1, 2], "body": NEWS[:2], "tag": ["a", "b"]}).to_parquet(str(tmp_path / "n.parquet"))
+    assert main(["eval", "ppl", "tiny:llama", "--data", f"{tmp_path / 'n.parquet'}:text=body", "--json", "--quiet",
+                 "--block-len", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["documents"] == ["n-0", "n-1"] and out["tokens"] > 0
+    assert main(["eval", "ppl", "tiny:llama", "--data", str(tmp_path / "n.parquet"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "several string columns (body, tag)" in err
+
+
+def test_damaged_tables_give_documents_or_a_refusal(tmp_path, private_tmp):
+    """Truncated and bit-flipped parquet / JSONL / CSV files: documents or one MLPSurgeryError, never another error."""
+    import random as rnd
+
+    ds = datasets.Dataset.from_dict({"text": NEWS, "label": ["a", "b"] * 3})
+    ds.to_parquet(str(tmp_path / "ok.parquet"))
+    ds.to_json(str(tmp_path / "ok.jsonl"), lines=True)
+    ds.to_csv(str(tmp_path / "ok.csv"), index=False)
+    g = rnd.Random(0)
+    for name in ("ok.parquet", "ok.jsonl", "ok.csv"):
+        raw = (tmp_path / name).read_bytes()
+        for trial in range(8):
+            body = bytearray(raw[:g.randrange(len(raw))] if trial % 2 else raw)
+            if trial % 2 == 0:
+                for _ in range(3):
+                    body[g.randrange(len(body))] ^= g.randrange(1, 256)
+            bad = tmp_path / f"bad{trial}.{name.split('.')[1]}"
+            bad.write_bytes(bytes(body))
+            for read in (read_corpus, read_labelled):
+                try:
+                    read(bad)
+                except MLPSurgeryError as e:
+                    assert "\n" not in str(e)
+    assert not list(private_tmp.iterdir())

@@ -10,14 +10,26 @@ Blocks are cut inside one document and one side of the split, so no block stradd
 Labelled sets (texts with one class each) load from the tab-separated format of Orange (three header
 lines: names, types, flags with `class` on the label column), CSV or JSONL; the Reuters R8 train/test
 sets are bundled as `r8-train` / `r8-test`.
+
+Tables the field publishes data in are read through the `datasets` library, for corpora and labelled sets
+alike: a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`, a `.parquet` file, and for
+corpora also `.jsonl` / `.json` / `.csv` (each row one document). Columns: the text column is the one named
+text, content or sentence, else the only string column; the label column is the one named label, labels,
+class or category. Name them by appending `:text=COL` and/or `:label=COL` to the path (`tweets.parquet:text=body,label=author`),
+which works wherever a command takes data. A DatasetDict with a `train` split and a `test` (else `validation`)
+split keeps the dataset's own split: train trains, test (or validation) is held out, whole documents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import json
 import random
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -38,6 +50,7 @@ BUNDLED_LABELLED = ("r8-train", "r8-test")
 class Document:
     name: str
     text: str
+    split: str = ""  # the dataset's own split it came from (a DatasetDict's 'train' / 'test' / 'validation'), else ""
 
 
 def _bundled(name: str) -> str:
@@ -61,22 +74,286 @@ def _read_text(path: Path) -> str:
         raise MLPSurgeryError(f"{path} is not UTF-8 text; convert it (e.g. `iconv -t utf-8`)") from None
 
 
-def read_corpus(path: str | Path | None = None) -> list[Document]:
+# --------------------------------------------------------------------------------------------------
+# Tables, read through the `datasets` library: save_to_disk folders, parquet, JSONL / JSON, CSV
+
+TABLE_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
+                 ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
+TEXT_NAMES = ("text", "content", "sentence")
+LABEL_NAMES = ("label", "labels", "class", "category")
+HELDOUT_SPLITS = ("test", "validation")  # a DatasetDict's held-out split: test, else validation
+# PATH:text=COL[,label=COL] (or :label=COL, ':' or ',' between the two). A column name holding ',', ':' or '='
+# cannot be named this way; such tables need the Python API (read_corpus(path, text_col=...)).
+_OPTIONS = re.compile(r"^(?P<path>.+?):(?P<opts>(?:text|label)=[^,:=]+(?:[,:](?:text|label)=[^,:=]+)*)$")
+
+
+def split_spec(spec: str | Path) -> tuple[str, dict[str, str]]:
+    """'PATH:text=COL,label=COL' -> ('PATH', {'text': COL, 'label': COL}). A string that names an existing path is
+    taken whole, so a file whose name happens to end in ':text=x' still loads."""
+    text = str(spec)
+    if Path(text).expanduser().exists():
+        return text, {}
+    m = _OPTIONS.match(text)
+    if m is None:
+        return text, {}
+    opts: dict[str, str] = {}
+    for part in re.split(r"[,:]", m["opts"]):
+        key, value = part.split("=", 1)
+        if key in opts:
+            raise MLPSurgeryError(f"{text!r} names the {key} column twice; give :{key}=COL once")
+        opts[key] = value
+    return m["path"], opts
+
+
+def table_format(path: Path) -> str | None:
+    """The `datasets` builder for a table file ('parquet', 'json', 'csv'), or None when it is not one."""
+    name = path.name.lower()
+    for suffix, fmt in sorted(TABLE_FORMATS.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return fmt
+    return None
+
+
+def is_datasets_folder(path: Path) -> bool:
+    """A folder written by Dataset.save_to_disk (state.json + dataset_info.json) or DatasetDict.save_to_disk
+    (dataset_dict.json)."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file()
+                              or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
+
+
+def is_table(path: Path) -> bool:
+    return is_datasets_folder(path) or (path.is_file() and table_format(path) is not None)
+
+
+def _cause(e: BaseException) -> str:
+    """The most specific message in an exception chain, on one line: `datasets` wraps pyarrow's precise error
+    ('JSON parse error: ... in row 1') in a vague one of its own ('An error occurred while generating the dataset')."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    own = [x for x in chain if not type(x).__module__.startswith("datasets") and str(x).strip()]
+    pick = (own or [x for x in chain if str(x).strip()] or chain)[0]
+    msg = " ".join(str(pick).split()) or type(pick).__name__
+    return msg if len(msg) <= 240 else msg[:240] + " ..."
+
+
+@contextlib.contextmanager
+def _datasets_quietly():
+    try:
+        import datasets
+    except ImportError:
+        raise MLPSurgeryError("reading tables (parquet, JSONL, CSV, save_to_disk folders) needs the `datasets` "
+                              "package: pip install datasets (bash install.sh installs it)") from None
+    import logging
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a corpus read is not a download: no bars on stderr
+    # datasets logs a reader's failure before raising it; the refusal we raise says it, on one line
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield datasets
+    finally:
+        log.setLevel(level)
+        if was:
+            datasets.enable_progress_bars()
+
+
+def read_table(path: Path) -> dict[str, object]:
+    """The splits of a table as `datasets.Dataset`s: {split: Dataset} for a DatasetDict folder, {'': Dataset} for a
+    Dataset folder or a file. Anything unreadable is a one-line refusal."""
+    with _datasets_quietly() as hf:
+        if path.is_dir():
+            what = "a datasets folder (save_to_disk)"
+            try:
+                obj = hf.load_from_disk(str(path))
+            except Exception as e:  # noqa: BLE001 - datasets/pyarrow/json errors of a damaged folder: say so in one line
+                raise MLPSurgeryError(f"{path} could not be read as {what} ({_cause(e)}); restore it or save it again "
+                                      "with save_to_disk") from None
+            splits = dict(obj) if isinstance(obj, hf.DatasetDict) else {"": obj}
+        else:
+            fmt = table_format(path)
+            what = {"json": "JSON lines", "csv": "CSV", "parquet": "parquet"}[fmt]
+            if path.stat().st_size == 0:
+                raise MLPSurgeryError(f"{path} is empty; give a {what} file with a text column")
+            # load_dataset builds an Arrow cache; keep it in memory and in a private folder removed afterwards, so
+            # that reading a file writes nothing that outlives the read.
+            cache = tempfile.mkdtemp(prefix="mlpsurgery-table-")
+            try:
+                obj = hf.load_dataset(fmt, data_files=str(path.resolve()), split="train", cache_dir=cache,
+                                      keep_in_memory=True)
+            except Exception as e:  # noqa: BLE001 - as above, for a damaged or malformed file
+                if "corresponds to no data" in str(e):  # how datasets says that a file held a header and no rows
+                    raise MLPSurgeryError(f"{path} has no rows; give a table with data") from None
+                raise MLPSurgeryError(f"{path} could not be read as {what} ({_cause(e)}); give an intact file") from None
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            splits = {"": obj}
+    for name, ds in splits.items():
+        if ds.num_rows == 0:
+            where = f"split {name!r} of {path}" if name else str(path)
+            raise MLPSurgeryError(f"{where} has no rows; give a table with data")
+    return splits
+
+
+def _own_splits(path: Path, splits: dict) -> tuple[str, str]:
+    """(train split, held-out split) of a DatasetDict with several splits, or a refusal naming them."""
+    held = next((s for s in HELDOUT_SPLITS if s in splits), None)
+    if "train" not in splits or held is None:
+        raise MLPSurgeryError(f"{path} is a DatasetDict with splits {', '.join(splits)}: it needs a 'train' split and a "
+                              f"'test' or 'validation' split, or name one split's folder (e.g. {path / next(iter(splits))})")
+    return "train", held
+
+
+def _values(ds, col: str, where: str) -> list:
+    """A column's values. Arrow decodes lazily, so a damaged file (invalid UTF-8 in a string column) can fail only
+    here, after it opened fine."""
+    try:
+        return list(ds[col])  # datasets 5 returns a lazy Column: decode every value here
+    except Exception as e:  # noqa: BLE001 - pyarrow's decode errors of a damaged file: a one-line refusal
+        raise MLPSurgeryError(f"column {col!r} of {where} could not be read ({_cause(e)}); give an intact file") from None
+
+
+def _feature_type(feature) -> str:
+    return str(getattr(feature, "dtype", None) or type(feature).__name__)
+
+
+def _is_string(feature) -> bool:
+    return type(feature).__name__ == "Value" and feature.dtype in ("string", "large_string")
+
+
+def _columns(ds) -> str:
+    return ", ".join(f"{k} ({_feature_type(f)})" for k, f in ds.features.items())
+
+
+def text_column(ds, where: str, wanted: str | None = None, exclude: tuple[str, ...] = ()) -> str:
+    """The text column: `wanted`, else one named text / content / sentence, else the only string column."""
+    feats = ds.features
+    if wanted is not None:
+        if wanted not in feats:
+            raise MLPSurgeryError(f"{where} has no column {wanted!r} (columns: {_columns(ds)}); name the text column "
+                                  "with PATH:text=COL")
+        if not _is_string(feats[wanted]):
+            raise MLPSurgeryError(f"column {wanted!r} of {where} holds {_feature_type(feats[wanted])}, not text; name a "
+                                  "string column with PATH:text=COL")
+        return wanted
+    candidates = [k for k in feats if k not in exclude]
+    lowered = {k.lower(): k for k in candidates}
+    for name in TEXT_NAMES:
+        if name in lowered and _is_string(feats[lowered[name]]):
+            return lowered[name]
+    strings = [k for k in candidates if _is_string(feats[k])]
+    if len(strings) == 1:
+        return strings[0]
+    if not strings:
+        raise MLPSurgeryError(f"{where} has no text column: no column holds strings (columns: {_columns(ds)}); give a "
+                              "table with a text column")
+    raise MLPSurgeryError(f"{where} has several string columns ({', '.join(strings)}) and none is named "
+                          f"{', '.join(TEXT_NAMES)}; name the text column with PATH:text=COL")
+
+
+def label_column(ds, where: str, wanted: str | None = None) -> str:
+    """The label column: `wanted`, else one named label / labels / class / category, else the only ClassLabel."""
+    feats = ds.features
+    if wanted is not None:
+        if wanted not in feats:
+            raise MLPSurgeryError(f"{where} has no column {wanted!r} (columns: {_columns(ds)}); name the label column "
+                                  "with PATH:label=COL")
+        return wanted
+    lowered = {k.lower(): k for k in feats}
+    for name in LABEL_NAMES:
+        if name in lowered:
+            return lowered[name]
+    class_labels = [k for k, f in feats.items() if type(f).__name__ == "ClassLabel"]
+    if len(class_labels) == 1:
+        return class_labels[0]
+    raise MLPSurgeryError(f"{where} has no column named {', '.join(LABEL_NAMES)} (columns: {_columns(ds)}); name the "
+                          "label column with PATH:label=COL")
+
+
+def label_values(ds, col: str, where: str) -> list[str]:
+    """The labels as class names ('' where a row has none: ClassLabel -1, as in unlabelled test splits, or null)."""
+    f = ds.features[col]
+    values = _values(ds, col, where)
+    kind = type(f).__name__
+    if kind == "ClassLabel":
+        return [f.int2str(v) if v is not None and v >= 0 else "" for v in values]
+    if kind == "Value" and (_is_string(f) or f.dtype == "bool" or re.fullmatch(r"u?int\d+", f.dtype)):
+        return ["" if v is None else str(v) for v in values]
+    # floats would each become a class of their own (a regression target), lists a multi-label set: refuse both
+    raise MLPSurgeryError(f"column {col!r} of {where} holds {_feature_type(f)}, not class labels (strings, integers or "
+                          "a ClassLabel); name the label column with PATH:label=COL")
+
+
+def _table_documents(path: Path, text_col: str | None) -> list[Document]:
+    splits = read_table(path)
+    if len(splits) == 1:
+        (only, ds), = splits.items()
+        use = [(only, ds, "")]  # one split: the usual held-out rule (last 10% of each document) applies
+    else:
+        train, held = _own_splits(path, splits)
+        use = [(train, splits[train], train), (held, splits[held], held)]
+    docs = []
+    for name, ds, split in use:
+        where = f"split {name!r} of {path}" if name else str(path)
+        texts = _values(ds, text_column(ds, where, text_col), where)
+        prefix = name or path.name.split(".")[0]
+        width = len(str(len(texts) - 1))
+        part = [Document(f"{prefix}-{i:0{width}d}", t, split) for i, t in enumerate(texts) if t and t.strip()]
+        if not part:
+            raise MLPSurgeryError(f"{where} has no text: every row's text is empty")
+        docs += part
+    return docs
+
+
+def _table_labelled(path: Path, text_col: str | None, label_col: str | None,
+                    split: str | None) -> tuple[list[str], list[str]]:
+    splits = read_table(path)
+    if len(splits) == 1:
+        (name, ds), = splits.items()
+    else:
+        train, held = _own_splits(path, splits)
+        if split not in ("train", "heldout"):
+            raise MLPSurgeryError(f"{path} is a DatasetDict with splits {', '.join(splits)}: name the one to read, "
+                                  f"{path / train} or {path / held} (its folder)")
+        name = train if split == "train" else held
+        ds = splits[name]
+    where = f"split {name!r} of {path}" if name else str(path)
+    lcol = label_column(ds, where, label_col)
+    tcol = text_column(ds, where, text_col, exclude=(lcol,))
+    return ["" if t is None else t for t in _values(ds, tcol, where)], label_values(ds, lcol, where)
+
+
+def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> list[Document]:
     """Documents of a corpus: None or 'austen' (bundled), 'r8' (bundled Reuters news, one document per
-    article), a text file, or a folder of .txt / .txt.gz files (sorted by name)."""
+    article), a text file, a folder of .txt / .txt.gz files (sorted by name), or a table (one document per row):
+    a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv. `PATH:text=COL` (or text_col) names the
+    text column; a DatasetDict with train + test (else validation) keeps its own split (Document.split)."""
     if path is None or str(path) == "austen":
         return [Document(n, _bundled(n + ".txt.gz")) for n in AUSTEN]
     if str(path) == "r8":
         ds = read_labelled("r8-test")
         return [Document(f"r8-{i:04d}", t) for i, t in enumerate(ds.texts)]
-    p = Path(path).expanduser()
+    spec, opts = split_spec(path)
+    text_col = text_col or opts.get("text")  # a :label= option is for labelled sets; a corpus has no labels
+    p = Path(spec).expanduser()
     if not p.exists():
-        raise MLPSurgeryError(f"corpus {str(path)!r} does not exist; give a text file, a folder of .txt files, "
-                              f"or one of the bundled corpora: {', '.join(BUNDLED_CORPORA)}")
-    if p.is_dir():
+        raise MLPSurgeryError(f"corpus {spec!r} does not exist; give a text file, a folder of .txt files, a table "
+                              f"(.parquet, .jsonl, .csv, a datasets save_to_disk folder), or one of the bundled "
+                              f"corpora: {', '.join(BUNDLED_CORPORA)}")
+    if is_table(p):
+        docs = _table_documents(p, text_col)
+    elif text_col is not None:
+        raise MLPSurgeryError(f"{p} is plain text, not a table: :text=COL names a column of a .parquet, .jsonl, .csv "
+                              "file or a datasets folder")
+    elif p.is_dir():
         files = sorted(f for f in p.iterdir() if f.name.endswith((".txt", ".txt.gz")) and f.is_file())
         if not files:
-            raise MLPSurgeryError(f"folder {p} has no .txt or .txt.gz files")
+            raise MLPSurgeryError(f"folder {p} has no .txt or .txt.gz files and is not a datasets folder (save_to_disk); "
+                                  "give a folder of text files, a datasets folder, or a .parquet/.jsonl/.csv file")
         docs = [Document(f.name.removesuffix(".gz").removesuffix(".txt"), _read_text(f)) for f in files]
     else:
         docs = [Document(p.name.removesuffix(".gz").removesuffix(".txt"), _read_text(p))]
@@ -159,6 +436,19 @@ class TokenizedCorpus:
         return out
 
 
+def default_heldout(docs: list[Document]) -> tuple[tuple[str, ...], str] | float:
+    """The held-out rule of a corpus when none is given: (names of whole documents, why) for a DatasetDict's own
+    test / validation split and for the bundled Austen (Persuasion); else 0.1, the last 10% of each document."""
+    names = [d.name for d in docs]
+    own = sorted({d.split for d in docs if d.split and d.split != "train"})
+    if own and any(d.split == "train" for d in docs):
+        held = tuple(d.name for d in docs if d.split in own)
+        return held, f"the dataset's own split: {', '.join(own)} held out ({len(held)} whole documents), train trains"
+    if set(AUSTEN_HELDOUT) <= set(names) and len(names) > 1:
+        return AUSTEN_HELDOUT, f"whole documents held out: {', '.join(AUSTEN_HELDOUT)}"
+    return 0.1
+
+
 def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] | tuple[str, ...] | None = None,
                     source: str = "") -> TokenizedCorpus:
     """Split documents into train and held-out token sequences.
@@ -167,8 +457,10 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
     hold out. Default: the bundled Austen corpus holds out Persuasion; anything else its last 10%.
     """
     names = [d.name for d in docs]
+    why = ""
     if heldout is None:
-        heldout = list(AUSTEN_HELDOUT) if set(AUSTEN_HELDOUT) <= set(names) and len(names) > 1 else 0.1
+        rule = default_heldout(docs)
+        heldout, why = (list(rule[0]), rule[1]) if isinstance(rule, tuple) else (rule, "")
     train, held, tn, hn = [], [], [], []
     if isinstance(heldout, (list, tuple)):
         unknown = sorted(set(heldout) - set(names))
@@ -180,7 +472,7 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
             ids = torch.tensor(encode(tokenizer, d.text), dtype=torch.long)
             (held if d.name in heldout else train).append(ids)
             (hn if d.name in heldout else tn).append(d.name)
-        split = f"whole documents held out: {', '.join(heldout)}"
+        split = why or f"whole documents held out: {', '.join(heldout)}"
     else:
         frac = float(heldout)
         if not 0.0 < frac < 1.0:
@@ -196,9 +488,9 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
     return TokenizedCorpus(train, held, tn, hn, split, source=source or "corpus", bos=default_bos(tokenizer))
 
 
-def load_corpus(path: str | Path | None, tokenizer, heldout=None) -> TokenizedCorpus:
+def load_corpus(path: str | Path | None, tokenizer, heldout=None, text_col: str | None = None) -> TokenizedCorpus:
     """read_corpus + tokenize_corpus."""
-    docs = read_corpus(path)
+    docs = read_corpus(path, text_col=text_col)
     return tokenize_corpus(docs, tokenizer, heldout=heldout, source=str(path) if path else "austen")
 
 
@@ -278,32 +570,46 @@ def _labelled_rows(path: Path, text_col: str | None, label_col: str | None) -> t
         header = list(records[0]) if records else []
     else:
         raise MLPSurgeryError(f"{path}: labelled data must be .tab (Orange), .tsv, .csv or .jsonl")
-    text_col, label_col = text_col or "text", label_col or "label"
+    # default names: text / label as always, then the other usual names (content, sentence; labels, class, ...)
+    lowered = {str(h).lower(): h for h in header}
+    text_col = text_col or next((lowered[n] for n in TEXT_NAMES if n in lowered), "text")
+    label_col = label_col or next((lowered[n] for n in LABEL_NAMES if n in lowered), "label")
     for col in (text_col, label_col):
         if col not in header:
             raise MLPSurgeryError(f"{path} has no column {col!r} (columns: {header}); name them with "
-                                  "--text-col / --label-col")
+                                  "PATH:text=COL,label=COL")
     texts = [str(r.get(text_col) or "") for r in records]
     labels = [str(r.get(label_col) or "") for r in records]
     return texts, labels
 
 
 def read_labelled(path: str | Path, text_col: str | None = None, label_col: str | None = None,
-                  classes: list[str] | None = None) -> LabelledSet:
-    """A labelled text set. Bundled: 'r8-train', 'r8-test'. Rows with empty text or label are dropped.
+                  classes: list[str] | None = None, split: str | None = None) -> LabelledSet:
+    """A labelled text set. Bundled: 'r8-train', 'r8-test'. Files: .tab (Orange), .tsv, .csv, .jsonl; tables read
+    through `datasets`: .parquet and save_to_disk folders (`PATH:text=COL,label=COL` or the arguments name the
+    columns). A DatasetDict folder needs `split`: 'train' reads its train split, 'heldout' its test (else
+    validation) split; or give one split's folder. Rows with empty text or label are dropped.
     Pass `classes` to keep the class numbering of another split (unknown labels are an error)."""
     text = str(path)
+    if split not in (None, "train", "heldout"):
+        raise MLPSurgeryError(f"split must be 'train' or 'heldout', not {split!r}")
     if text in BUNDLED_LABELLED:
         import io
 
         rows = [r for r in csv.reader(io.StringIO(_bundled(f"reuters-{text}.tab.gz")), delimiter="\t") if r][3:]
         texts, labels = [r[1] for r in rows], [r[0] for r in rows]
     else:
-        p = Path(path).expanduser()
+        spec, opts = split_spec(path)
+        text_col, label_col = text_col or opts.get("text"), label_col or opts.get("label")
+        p = Path(spec).expanduser()
+        text = spec
         if not p.exists():
-            raise MLPSurgeryError(f"labelled data {text!r} does not exist; give a .tab/.csv/.jsonl file or one of "
-                                  f"{', '.join(BUNDLED_LABELLED)}")
-        texts, labels = _labelled_rows(p, text_col, label_col)
+            raise MLPSurgeryError(f"labelled data {text!r} does not exist; give a .tab/.csv/.jsonl/.parquet file, a "
+                                  f"datasets folder (save_to_disk), or one of {', '.join(BUNDLED_LABELLED)}")
+        if is_datasets_folder(p) or (p.is_file() and table_format(p) == "parquet"):
+            texts, labels = _table_labelled(p, text_col, label_col, split)
+        else:
+            texts, labels = _labelled_rows(p, text_col, label_col)
     keep = [i for i, (t, y) in enumerate(zip(texts, labels)) if t.strip() and y.strip()]
     texts, labels = [texts[i] for i in keep], [labels[i] for i in keep]
     if not texts:
