@@ -241,6 +241,37 @@ def test_write_tasks_and_the_plain_lm_eval_command(tmp_path, capsys):
     assert res["results"][L.CORPUS_TASK]["bits_per_byte,none"] == pytest.approx(corpus["bits_per_byte"], rel=REL_TOL)
 
 
+def test_plain_lm_eval_runs_a_folder_with_generated_modeling_code(tmp_path, capsys):
+    """A folder whose modules transformers does not have (a fused MLP, nested projections) runs in the plain lm_eval
+    route through its generated modeling code (trust_remote_code=True) and scores what `eval lm` scores."""
+    import mlpsurgery as ms
+    from mlpsurgery.methods import nsn
+    from mlpsurgery.methods.fusion import FusionConfig, fuse
+
+    model = tiny_model("llama")
+    fuse(model, FusionConfig(width=16, layers="0", n_init=1), progress=False)
+    nsn.nest(model, nsn.NSNConfig(layers="1"))
+    nsn.set_rank(model, 8)
+    folder = ms.save(model, tmp_path / "m", tokenizer=byte_tokenizer())
+    assert json.loads((folder / "config.json").read_text())["auto_map"]
+    tasks = tmp_path / "tasks"
+    code, _, err = _run(["eval", "lm", "--write-tasks", tasks, "--quiet"], capsys)
+    assert code == 0, err
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    res = simple_evaluate(model="hf", model_args=f"pretrained={folder},trust_remote_code=True,logits_cache=False,"
+                                                 "dtype=float32,max_length=32",
+                          tasks=[L.R8_TASK], limit=6, device="cpu", batch_size=4,
+                          task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+    code, stdout, err = _run(["eval", "lm", folder, "--tasks", "r8", "--limit", 6, "--max-length", 32, "--json",
+                              "--quiet"], capsys)
+    assert code == 0, err
+    ours = json.loads(stdout)["tasks"][L.R8_TASK]
+    plain = res["results"][L.R8_TASK]
+    assert plain["acc,none"] == ours["acc"] and plain["acc_norm,none"] == ours["acc_norm"]
+
+
 @pytest.mark.realmodel
 def test_smollm2_rolling_agreement(smollm2):
     """SmolLM2 on the opening of Persuasion (about 700 tokens: two windows of 511 + 1): lm-eval and measure.perplexity
