@@ -171,6 +171,13 @@ def warn(message: str) -> None:
 # The plots the commands write next to their results
 
 
+def wrap(text: str, width: int) -> str:
+    """A title on as many lines as it needs (model names can be long) instead of cut off at the figure's edge."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
 def plot_cost(result: dict, path: str | Path, title: str = "") -> Path:
     """Bars of `eval cost`: wall time (inference forward, training step) and peak memory (inference, training
     step), reference beside candidate, the ratio over each candidate bar. `result`: what compare_cost gives
@@ -198,7 +205,7 @@ def plot_cost(result: dict, path: str | Path, title: str = "") -> Path:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(wrap(title, 90), fontsize=10)
     return save_figure(fig, path)
 
 
@@ -221,14 +228,12 @@ def plot_layers(rows: list[dict], panels: list[tuple[str, str, dict]], path: str
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
         if note:
-            import textwrap
-
-            ax.set_title("\n".join(textwrap.wrap(note, 100)), fontsize=9)
+            ax.set_title(wrap(note, 100), fontsize=9)
         if len(series) > 1:
             ax.legend(fontsize=8)
     axes[-1, 0].set_xlabel("layer")
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(wrap(title, 90), fontsize=10)
     return save_figure(fig, path)
 
 
@@ -252,5 +257,5 @@ def plot_rounds(history: list[dict], path: str | Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2 if workers > 4 else 1)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(wrap(title, 80), fontsize=10)
     return save_figure(fig, path)

@@ -208,7 +208,10 @@ def render_prune(r: dict) -> str:
     per = r.get("per_layer") or []
     if per:
         errs = [x for x in per if x.get("error_rel") is not None]
-        lines.append("  per layer: sparsity " + ", ".join(f"{x['layer']}: {x['sparsity']:.3f}" for x in per))
+        sp = [x["sparsity"] for x in per]
+        lines.append("  per layer: sparsity " + (", ".join(f"{x['layer']}: {x['sparsity']:.3f}" for x in per)
+                                                if len(per) <= 8 else
+                                                f"{min(sp):.3f} to {max(sp):.3f} over {len(per)} layers"))
         if errs:
             worst = max(errs, key=lambda x: x["error_rel"])
             lines.append(f"  relative output error on {r['error_inputs']}: mean "

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..errors import MLPSurgeryError
 from ..io import record
 from ..modules.masks import install_mask
+from ..report import ends_stages, stage
 from ..sites import find_sites, linear_weight
 
 PARTS = ("attn", "ffn", "both")
@@ -47,6 +48,7 @@ def prunable_weights(model: nn.Module, parts: str = "both", layers: list[int] | 
     return out
 
 
+@ends_stages
 def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", layers: list[int] | None = None,
                     scope: str = "layer", progress: bool = False) -> dict:
     """Zero the `sparsity` fraction of smallest-magnitude weights (per matrix, or global). In place.
@@ -70,10 +72,10 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
                 if k > 0:
                     idx = w.detach().abs().flatten().argsort()[:k]
                     w.view(-1)[idx] = 0
+    stage("recording the masks, counting the zeros of every matrix", progress)
     if sparsity > 0:
         _mask(model, weights)
-    return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope,
-            "per_layer": _per_layer(layer_sparsity(model, parts, layers), None)}
+    return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope}
 
 
 def _mask(model: nn.Module, weights: dict[str, nn.Parameter]) -> None:
@@ -204,6 +206,7 @@ def layer_moments(model: nn.Module, data: Tensor, parts: str = "both", layers: l
     return {i: {n.split(".", 1)[1]: h for n, h in flat.items() if int(n.split(".", 1)[0]) == i} for i in layers}
 
 
+@ends_stages
 def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | dict, method: str, parts: str = "both",
                      layers: list[int] | None = None, batch_size: int = 8, sequential: bool = True,
                      moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True) -> dict:
@@ -239,11 +242,11 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
                 else:
                     W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
                 errors[i][name] = _output_error(before, W.detach().float(), h[name].float())
+    stage("recording the masks, counting the zeros of every matrix", progress)
     for part in ("attn", "ffn"):
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
             _mask(model, prunable_weights(model, part, layers))
-    report = {**_report(model, method, parts, layers, sparsity), "sequential": moments is None}
-    report["per_layer"] = _per_layer(layer_sparsity(model, parts, layers), errors)
+    report = {**_report(model, method, parts, layers, sparsity, errors), "sequential": moments is None}
     report["error_inputs"] = ("the calibration inputs of each projection, " + (
         "measured with the layers before it already pruned (as the method prunes)" if moments is None else
         "measured once on the dense model"))
@@ -272,28 +275,36 @@ def _per_layer(sparsity: dict[int, float], errors: dict[int, dict[str, tuple[flo
     return rows
 
 
-def layer_sparsity(model: nn.Module, parts: str = "both", layers: list[int] | None = None) -> dict[int, float]:
-    """Fraction of zero entries among each layer's prunable weight matrices."""
-    sites = find_sites(model)
-    layers = list(range(len(sites))) if layers is None else layers
+def _layer_counts(model: nn.Module, parts: str = "both", layers: list[int] | None = None) -> dict[int, tuple[int, int]]:
+    """Per layer, (zero entries, entries) of its prunable weight matrices."""
+    layers = list(range(len(find_sites(model)))) if layers is None else layers
     out = {}
     for i in layers:
         ws = prunable_weights(model, parts, [i]).values()
         total = sum(w.numel() for w in ws)
-        out[i] = sum(int((w == 0).sum()) for w in ws) / max(total, 1)
+        out[i] = (total - sum(int(torch.count_nonzero(w.detach())) for w in ws), total)
     return out
+
+
+def layer_sparsity(model: nn.Module, parts: str = "both", layers: list[int] | None = None) -> dict[int, float]:
+    """Fraction of zero entries among each layer's prunable weight matrices."""
+    return {i: z / max(t, 1) for i, (z, t) in _layer_counts(model, parts, layers).items()}
 
 
 def _layer_sizes(model: nn.Module, parts: str, layers: list[int]) -> dict[int, int]:
     return {i: sum(w.numel() for w in prunable_weights(model, parts, [i]).values()) for i in layers}
 
 
-def _report(model: nn.Module, method: str, parts: str, layers, sparsity) -> dict:
-    weights = prunable_weights(model, parts, layers)
-    total = sum(w.numel() for w in weights.values())
-    zeros = sum(int((w == 0).sum()) for w in weights.values())
+def _report(model: nn.Module, method: str, parts: str, layers, sparsity,
+            errors: dict[int, dict[str, tuple[float, float]]] | None = None) -> dict:
+    """The whole run's sparsity and, per layer, its sparsity and output error (`_per_layer`), from one count of
+    the zeros of every chosen matrix (seconds for a real model: it is counted once)."""
+    counts = _layer_counts(model, parts, layers)
+    total = sum(t for _, t in counts.values())
+    zeros = sum(z for z, _ in counts.values())
     return {"method": method, "parts": parts, "target": sparsity, "sparsity": zeros / max(total, 1),
-            "pruned_params": zeros, "considered_params": total}
+            "pruned_params": zeros, "considered_params": total,
+            "per_layer": _per_layer({i: z / max(t, 1) for i, (z, t) in counts.items()}, errors)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import MLPSurgeryError
-from ...report import ends_stages, pyplot, save_figure, stage
+from ...report import ends_stages, pyplot, save_figure, stage, wrap
 from .config import CoreLockerConfig
 from .ranking import Ranking, apply_extraction, restore_values
 from .units import unit_groups
@@ -254,7 +254,7 @@ def plot_curves(curves: dict[str, list[dict]], metric: str, path: str | Path, ti
         ax.set_yscale("log")
     ax.set_xlabel("extraction ratio (fraction of eligible units)")
     ax.set_ylabel(metric)
-    ax.set_title(title)
+    ax.set_title(wrap(title, 70))
     ax.grid(alpha=0.3)
     ax.legend()
     return save_figure(fig, path)
