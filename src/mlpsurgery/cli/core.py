@@ -56,22 +56,28 @@ def render_inspect(r: dict) -> str:
 # ---- eval ppl ---------------------------------------------------------------------------------------
 
 def run_ppl(args) -> dict:
-    from ..data import load_corpus
-    from ..measure.perplexity import default_block_len, perplexity
-
-    from ..measure.perplexity import is_causal_lm
+    from ..data import default_bos, load_corpus
+    from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
+    from ..models import check_context
 
     loaded = _load(args)
-    if not is_causal_lm(loaded.model):  # before the seconds of tokenising a corpus, not after
+    # what can be refused is refused before the seconds of tokenising a corpus, not after
+    if not is_causal_lm(loaded.model):
         raise MLPSurgeryError(f"perplexity needs a causal language model; {type(loaded.model).__name__} is not one "
                               "(for encoders use `mlpsurgery eval acc`)")
-    stage(args, f"reading and tokenising {args.data or 'austen'}")
-    corpus = load_corpus(args.data, loaded.require_tokenizer())
-    bos = {"auto": corpus.bos, "off": None, "on": loaded.tokenizer.bos_token_id}[args.bos]
+    block = args.block_len or default_block_len(loaded.model)
+    check_context(loaded.model, block)
+    tok = loaded.require_tokenizer()
+    bos = {"auto": default_bos(tok), "off": None, "on": tok.bos_token_id}[args.bos]  # auto: as corpus.bos
     if args.bos == "on" and bos is None:
         raise MLPSurgeryError("--bos on: the tokenizer has no BOS token; use --bos auto or off")
+    span = block - 1 if bos is not None else block  # the window's text tokens (perplexity checks it again)
+    if args.stride is not None and args.stride >= span:
+        raise MLPSurgeryError(f"stride must be in 1..{span - 1} (the window's text tokens minus one), not "
+                              f"{args.stride}")
+    stage(args, f"reading and tokenising {args.data or 'austen'}")
+    corpus = load_corpus(args.data, tok)
     t0 = time.perf_counter()
-    block = args.block_len or default_block_len(loaded.model)
     res = perplexity(loaded.model, corpus.sequences(args.split), block_len=block, stride=args.stride,
                      batch_size=args.batch_size, max_tokens=args.max_tokens, progress=progress(args), bos_id=bos)
     out = res.as_dict()

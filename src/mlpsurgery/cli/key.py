@@ -133,9 +133,14 @@ def run_attack(args) -> dict:
     from ..methods.corelocker import (attack_table, classifier_finetune, classifier_utility, lm_finetune,
                                       lm_utility)
 
+    fractions, sparsities = _floats(args.finetune), _floats(args.prune)  # refused before the model loads
+    bad = [x for x in fractions if not 0 < x <= 1] + [x for x in sparsities if not 0 <= x < 1]
+    if bad:
+        raise MLPSurgeryError(f"--finetune fractions must be in (0, 1] and --prune sparsities in [0, 1), not {bad}")
     loaded = _load(args, task=args.task)
     model, tok = loaded.model, loaded.require_tokenizer()
     show = progress(args)
+    stage(args, "reading the attacker's training data and the evaluation data")
     if type(model).__name__.endswith("ForSequenceClassification"):
         train = read_labelled(args.data or "r8-train")
         test = read_labelled(args.eval_data or "r8-test", classes=train.classes)
@@ -150,10 +155,6 @@ def run_attack(args) -> dict:
         corpus = load_corpus(args.data, tok)
         utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096, bos_id=corpus.bos)
         make_loss = lm_finetune(corpus.blocks("train", args.block_len), batch_size=args.batch_size, epochs=args.epochs)
-    fractions, sparsities = _floats(args.finetune), _floats(args.prune)
-    bad = [x for x in fractions if not 0 < x <= 1] + [x for x in sparsities if not 0 <= x < 1]
-    if bad:
-        raise MLPSurgeryError(f"--finetune fractions must be in (0, 1] and --prune sparsities in [0, 1), not {bad}")
     res = attack_table(model, utility, make_loss, finetune=fractions, prune=sparsities,
                        trials=args.trials, lr=args.lr, progress=show)
     res["model"] = loaded.source
