@@ -59,7 +59,8 @@ def apply(name: str, model, tmp_path, keys: list):
 
 PAIRS = [("llama", a, b) for a, b in itertools.permutations(METHODS, 2)]
 # the layouts whose MLP lives in separate slots (OPT: fc1/fc2 on the layer; BERT: intermediate/output; GPT-2: Conv1D)
-PAIRS += [(arch, a, b) for arch in ("gpt2", "opt", "bert") for a, b in sorted(MUST_WORK)]
+PAIRS += [(arch, a, b) for arch in ("gpt2", "opt", "bert")
+          for a, b in sorted(MUST_WORK | {("fuse", "nest"), ("nest", "fuse"), ("dlr", "nest")})]
 
 
 @pytest.mark.parametrize("arch,first,second", PAIRS)

@@ -469,10 +469,11 @@ class MLPSite:
         mod = self.module
         if self.replaced and hasattr(mod, "to_mlp_weights"):
             w = mod.to_mlp_weights()
-            if w is None:
-                raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has no "
-                                      "dense-MLP form to read; apply this method before that one")
-            return w
+            if w is not None:
+                return w
+            if not hasattr(mod, "to_dense"):  # else one projection (OPT's fc1 / BERT's output) was replaced: below
+                raise MLPSurgeryError(f"layer {self.index}: the MLP was replaced by {type(mod).__name__}, which has "
+                                      "no dense-MLP form to read; apply this method before that one")
         s = self.spec
 
         def part(name: str) -> nn.Module:

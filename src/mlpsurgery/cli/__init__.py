@@ -2,8 +2,9 @@
 
 Commands live in small modules (core, and one per method); each registers its subcommands on the
 shared top-level groups (`eval`, `lock`, `attack`, ...). Every command takes --json (machine-readable
-result on stdout; progress bars go to stderr) and --quiet. User errors print one line naming the
-problem and the fix, and exit with status 2.
+result on stdout) and --quiet; progress bars and stage lines go to stderr, and either flag silences them.
+User errors print one line naming the problem and the fix, and exit with status 2; with --json the same
+error is also printed on stdout as a JSON object, so that a script reading stdout always gets JSON.
 """
 
 from __future__ import annotations
@@ -86,6 +87,56 @@ def command(sub, name: str, run: Callable, render: Callable[[dict], str], help: 
     return p
 
 
+def progress(args) -> bool:
+    """Whether to show progress bars and stage lines: not with --quiet, nor with --json (main() sets quiet)."""
+    return not (args.quiet or getattr(args, "json", False))
+
+
+def stage(args, message: str) -> None:
+    """A stage line on stderr (see report.stage), unless --quiet / --json."""
+    from ..report import stage as _stage
+
+    _stage(message, progress(args))
+
+
+def model_name(spec) -> str:
+    return str(spec) if spec else "smollm2 (the default model)"
+
+
+def check_plot_path(path, inputs=(), outputs=()) -> None:
+    """Refuse, before any work, a --plot path that cannot be written or that is, holds or lies inside an
+    input or another output of the command (a plot inside a locked folder would be handed out with it)."""
+    import os
+    from pathlib import Path
+
+    from ..files import check_file_out
+
+    if path is None:
+        return
+    check_file_out(path, overwrite=True, inputs=inputs, what="plot")  # an old plot at the path is replaced
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    for other in outputs:
+        if other is None:
+            continue
+        o = Path(os.path.abspath(Path(other).expanduser()))
+        if p == o or o in p.parents or p in o.parents:
+            raise MLPSurgeryError(f"--plot {path} overlaps the output {other}; give the plot a path of its own")
+
+
+def draw(what: str, fn: Callable[[], object]) -> str | None:
+    """Run a plotting function; return the path it wrote, or None with a warning on stderr if it failed.
+    A plot is a view of a result that is already complete (and saved), so its failure must not turn a
+    successful run into an error."""
+    from ..report import warn
+
+    try:
+        return str(fn())
+    except Exception as e:  # noqa: BLE001 - any plotting failure (matplotlib, disk) is only a warning
+        warn(f"the {what} plot could not be drawn ({type(e).__name__}: {one_line(e)}); the result is complete "
+             "without it")
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mlpsurgery", description="Surgery on the MLP blocks and attention heads "
                     "of pretrained transformers.")
@@ -117,28 +168,62 @@ def one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
 
 
+def _command_words(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The command an argument list names ("lock key", "inspect"), read through the parser's subcommands
+    without parsing the rest (which may be what failed)."""
+    words, current = [], parser
+    for token in map(str, argv):
+        if token.startswith("-"):
+            continue
+        action = next((a for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or token not in action.choices:
+            break
+        words.append(token)
+        current = action.choices[token]
+    return " ".join(words) or None
+
+
+def _fail(message: str, status: int, as_json: bool, command: str | None, details: dict | None = None) -> int:
+    """The one-line error on stderr; with --json also a JSON object on stdout."""
+    print(f"mlpsurgery: {'error: ' if status == 2 else ''}{one_line(message)}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": str(message), "exit_status": status, "command": command, **(details or {})},
+                         indent=2, default=str))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..report import end_stage, restart_clock
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    restart_clock()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        print(f"mlpsurgery: error: {one_line(e)}", file=sys.stderr)
-        return 2
+        # --json is honoured even when the command line is what failed (it may not have been parsed)
+        return _fail(str(e), 2, "--json" in argv, _command_words(parser, argv))
     if not hasattr(args, "run"):
         (getattr(args, "group_parser", None) or parser).print_help()
         return 0
-    if args.quiet or args.json:
+    if args.json:
+        args.quiet = True  # progress is for a person at a terminal; --json is for a program
+    if args.quiet:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    command = _command_words(parser, argv)
     try:
         result = args.run(args)
     except MLPSurgeryError as e:
-        print(f"mlpsurgery: error: {one_line(e)}", file=sys.stderr)
-        return 2
+        end_stage()
+        return _fail(str(e), 2, args.json, command, getattr(e, "details", None))
     except KeyboardInterrupt:
-        print("mlpsurgery: interrupted (long runs resume from their checkpoint when started again)", file=sys.stderr)
-        return 130
+        end_stage()
+        return _fail("interrupted (long runs resume from their checkpoint when started again)", 130, args.json,
+                     command)
+    finally:
+        end_stage()  # the command's last step is over: its line, if not printed yet, never will be
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

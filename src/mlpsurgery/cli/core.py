@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from ..errors import MLPSurgeryError
-from ..report import human_bytes, human_count, table
-from . import command, device_of, integer
+from ..report import human_bytes, human_count, plot_cost, table
+from . import check_plot_path, command, device_of, draw, integer, model_name, progress, stage
 
 MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
 
@@ -14,6 +14,8 @@ MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smoll
 def _load(args, task: str = "auto", **kw):
     from ..models import load_model
 
+    # loading reads (or de-quantises, once) the weights and fingerprints them: seconds on a real model
+    stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=task, **kw)
     loaded.model.to(device_of(args))
     return loaded
@@ -54,18 +56,30 @@ def render_inspect(r: dict) -> str:
 # ---- eval ppl ---------------------------------------------------------------------------------------
 
 def run_ppl(args) -> dict:
-    from ..data import load_corpus
-    from ..measure.perplexity import default_block_len, perplexity
+    from ..data import default_bos, load_corpus
+    from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
+    from ..models import check_context
 
     loaded = _load(args)
-    corpus = load_corpus(args.data, loaded.require_tokenizer())
-    bos = {"auto": corpus.bos, "off": None, "on": loaded.tokenizer.bos_token_id}[args.bos]
+    # what can be refused is refused before the seconds of tokenising a corpus, not after
+    if not is_causal_lm(loaded.model):
+        raise MLPSurgeryError(f"perplexity needs a causal language model; {type(loaded.model).__name__} is not one "
+                              "(for encoders use `mlpsurgery eval acc`)")
+    block = args.block_len or default_block_len(loaded.model)
+    check_context(loaded.model, block)
+    tok = loaded.require_tokenizer()
+    bos = {"auto": default_bos(tok), "off": None, "on": tok.bos_token_id}[args.bos]  # auto: as corpus.bos
     if args.bos == "on" and bos is None:
         raise MLPSurgeryError("--bos on: the tokenizer has no BOS token; use --bos auto or off")
+    span = block - 1 if bos is not None else block  # the window's text tokens (perplexity checks it again)
+    if args.stride is not None and args.stride >= span:
+        raise MLPSurgeryError(f"stride must be in 1..{span - 1} (the window's text tokens minus one), not "
+                              f"{args.stride}")
+    stage(args, f"reading and tokenising {args.data or 'austen'}")
+    corpus = load_corpus(args.data, tok)
     t0 = time.perf_counter()
-    block = args.block_len or default_block_len(loaded.model)
     res = perplexity(loaded.model, corpus.sequences(args.split), block_len=block, stride=args.stride,
-                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=not args.quiet, bos_id=bos)
+                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=progress(args), bos_id=bos)
     out = res.as_dict()
     out.update(model=loaded.source, data=corpus.source, split=args.split, split_rule=corpus.split,
                documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
@@ -93,6 +107,7 @@ def run_cost(args) -> dict:
 
     from ..models import check_context
 
+    check_plot_path(args.plot, inputs=[args.model, args.baseline])
     loaded = _load(args)
     model = loaded.model
     check_context(model, args.seq_len, "--seq-len")
@@ -100,8 +115,9 @@ def run_cost(args) -> dict:
     vocab = getattr(model.config, "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
-    kw = dict(repeats=args.repeats, memory=not args.no_memory)
+    kw = dict(repeats=args.repeats, memory=not args.no_memory, progress=progress(args))
     if baseline:
+        stage(args, f"loading the reference {baseline}")
         base = load_model(baseline).model.to(device_of(args))
         if not args.baseline:
             check_source(model, base, baseline)
@@ -110,6 +126,10 @@ def run_cost(args) -> dict:
     else:
         res = {"candidate": measure_cost(model, batch, **kw).as_dict(), "reference": None, "ratio": None}
     res["model"] = loaded.source
+    if args.plot:
+        title = f"{loaded.source}" + (f" vs {baseline}" if baseline else "") + \
+            f", batch {args.batch_size} x {args.seq_len} on {res['candidate']['device']}"
+        res["plot"] = draw("cost", lambda: plot_cost(res, args.plot, title=title))
     return res
 
 
@@ -127,7 +147,8 @@ def render_cost(r: dict) -> str:
         rows.append(row)
     head = f"cost of {r['model']}" + (f" vs {r['reference_model']}" if r.get("reference_model") else "")
     c = r["candidate"]
-    return f"{head} on {c['device']}, batch {c['batch']}\n" + table(rows)
+    plot = f"\nplot: {r['plot']}" if r.get("plot") else ""
+    return f"{head} on {c['device']}, batch {c['batch']}\n" + table(rows) + plot
 
 
 # ---- eval acc ---------------------------------------------------------------------------------------
@@ -137,6 +158,7 @@ def run_acc(args) -> dict:
     from ..measure.accuracy import accuracy, probe_accuracy
 
     loaded = _load(args)
+    stage(args, f"reading the labelled sets {args.train} and {args.test}")
     train = read_labelled(args.train)
     test = read_labelled(args.test, classes=train.classes)
     if args.max_train and len(train) > args.max_train:
@@ -144,11 +166,13 @@ def run_acc(args) -> dict:
     if args.max_test and len(test) > args.max_test:
         test = test.sample(args.max_test, seed=0)
     if type(loaded.model).__name__.endswith("ForSequenceClassification"):
-        acc = accuracy(loaded.model, loaded.require_tokenizer(), test, max_len=args.max_len, progress=not args.quiet)
+        acc = accuracy(loaded.model, loaded.require_tokenizer(), test, max_len=args.max_len, progress=progress(args))
         res = {"accuracy": acc, "n_test": len(test), "method": "the model's classification head"}
     else:
+        # embeddings of the train and test texts (a bar each), then the probe's fit (a few seconds, no bar)
+        stage(args, f"linear probe: embedding {len(train)} training and {len(test)} test texts, then fitting")
         res = probe_accuracy(loaded.model, loaded.require_tokenizer(), train, test, max_len=args.max_len,
-                             progress=not args.quiet)
+                             progress=progress(args))
     res.update(model=loaded.source, train=args.train, test=args.test, chance=1 / test.num_classes)
     return res
 
@@ -163,6 +187,8 @@ def render_acc(r: dict) -> str:
 def run_export(args) -> dict:
     from ..io import export
 
+    # one call that loads, checks, folds every replaced module into stock layers and writes: no bar inside
+    stage(args, f"exporting {args.dir}: loading it, folding its modules into stock layers, writing {args.out}")
     out = export(args.dir, args.out, overwrite=args.overwrite)
     return {"exported": str(out), "from": args.dir}
 
@@ -170,7 +196,7 @@ def run_export(args) -> dict:
 def run_fetch(args) -> dict:
     from ..models import fetch
 
-    return fetch()
+    return fetch(progress=progress(args))
 
 
 # ---- demo -------------------------------------------------------------------------------------------
@@ -224,6 +250,8 @@ def register(sub, groups) -> None:
     p.add_argument("--seq-len", type=integer(1), default=128)
     p.add_argument("--repeats", type=integer(1), default=3)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory passes")
+    p.add_argument("--plot", metavar="PNG", help="also draw the time and peak-memory bars, reference beside candidate, "
+                   "to this file (none by default: eval commands write no files unless asked)")
 
     p = command(groups["eval"], "acc", run_acc, render_acc,
                 "classification accuracy: the model's head, or a linear probe on its embeddings")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import table
-from . import command, device_of, integer, number
+from . import command, device_of, draw, integer, model_name, number, stage
 from .core import MODEL_HELP
 
 
@@ -25,6 +25,7 @@ def run_lock(args) -> dict:
     inputs = [args.model, args.data, args.second_corpus]
     check_out(out, args.overwrite, inputs=inputs + [work])
     check_state(work, inputs=inputs + [out], what="work")
+    stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model)
     model, tok = loaded.model.to(device_of(args)), loaded.require_tokenizer()
     cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
@@ -45,6 +46,7 @@ def run_lock(args) -> dict:
     vocab = getattr(model.config, "vocab_size", None)
     if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
         raise MLPSurgeryError(f"--top-k {cfg.top_k} must be below the vocabulary size {vocab}")
+    stage(args, f"reading and tokenising {args.data or 'austen'}")
     corpus = load_corpus(args.data, tok)
     calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
     if len(calib) < 2:
@@ -77,6 +79,7 @@ def run_lock(args) -> dict:
                       on_phase1=lambda m: measure("phase1"))
     seconds = time.perf_counter() - t0
     measure("phase2")
+    stage(args, f"saving to {out}")
     save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
     kept = args.keep_work or args.workdir is not None  # a folder the user named is theirs to remove
     if not kept:
@@ -129,6 +132,7 @@ def run_attack(args) -> dict:
     cfg.validate()
     out = Path(args.out)
     check_state(out, [args.locked, args.original, args.data], what="attack results")
+    stage(args, f"loading {args.locked} and its original")
     locked = load_model(args.locked)
     original_spec = args.original or source_spec(locked.model)
     if not original_spec:
@@ -150,11 +154,11 @@ def run_attack(args) -> dict:
                                "block_len": args.block_len, "train_blocks": args.train_blocks,
                                "eval_blocks": args.eval_blocks}, inputs=[args.locked, original_spec, args.data])
     suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
-    plot_attack_suite(suite, out / "attacks.png")
     rows = attack_table(suite)
     write_text(out / "attacks.md", table(rows, markdown=True) + "\n")
     write_text(out / "suite.json", json.dumps(suite))
-    return {"table": rows, "reverse": suite["reverse"], "plot": str(out / "attacks.png"), "out": str(out),
+    plot = draw("attack", lambda: plot_attack_suite(suite, out / "attacks.png") or out / "attacks.png")
+    return {"table": rows, "reverse": suite["reverse"], "plot": plot, "out": str(out),
             "locked": args.locked, "original": original_spec}
 
 
@@ -166,7 +170,8 @@ def render_attack(r: dict) -> str:
                      f"{rev['seconds']:.0f} s ({rev['seconds_per_layer']:.0f} s per layer; about "
                      f"{rev['estimated_seconds_all_layers']:.0f} s for all {rev['locked_layers']} locked layers), "
                      f"relative error reached {', '.join(f'{v:.3f}' for v in rev['relative_error'].values())}")
-    lines.append(f"plot: {r['plot']}")
+    if r.get("plot"):
+        lines.append(f"plot: {r['plot']}")
     return "\n".join(lines)
 
 

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
-from ..report import human_count, table
-from . import command, device_of, integer, number
+from ..report import human_count, plot_layers, table
+from . import command, device_of, draw, integer, model_name, number, progress, stage
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -35,26 +36,41 @@ def run_fuse(args) -> dict:
                        tune_lr=args.tune_lr)
     cfg.validate()
     t0 = time.perf_counter()
+    stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
     model = loaded.model.to(device_of(args))
     before = count_params(model)
     tune = None
     if args.tune_data:
         check_context(model, args.block_len)
+        stage(args, f"reading and tokenising the tune data {args.tune_data}")
         tune = text_blocks(args.tune_data, loaded.require_tokenizer(), block_len=args.block_len,
                            max_blocks=args.tune_blocks, seed=args.seed)
-    report = fuse(model, cfg, tune_data=tune, progress=not args.quiet, checkpoint_dir=args.checkpoint_dir)
+    report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir)
     after = count_params(model)
+    stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs)
     report.update(model=loaded.source, out=args.out, mlp_params_before=before["mlp"], mlp_params_after=after["mlp"],
                   params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0)
+    # the per-layer error, drawn into the output folder (beside the model, not one of its files)
+    report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
     return report
+
+
+def plot_fuse(r: dict, path):
+    tuned = "tuning" in r
+    series = {"one-shot": "error_rel", **({"after layer-wise tuning": "error_rel_tuned"} if tuned else {})}
+    where = "the tune data's MLP inputs" if r["error_inputs"].startswith("the tune") else "random inputs (no tune data)"
+    return plot_layers(r["sites"], [("relative output error", f"||H~ - H|| / ||H|| on {where}", series)],
+                       path, title=f"{r['method']} to width {r['width']}: {r['model']}, each MLP against the original")
 
 
 def render_fuse(r: dict) -> str:
     rows = [{"layer": s["layer"], "h": s["h"], "width": s["width"], "params": f"{human_count(s['params_before'])} -> "
              f"{human_count(s['nonzero_after'])}", **({"clusters (min/max size)": f"{s['cluster_sizes']['min']}/"
-                                                       f"{s['cluster_sizes']['max']}"} if "cluster_sizes" in s else {})}
+                                                       f"{s['cluster_sizes']['max']}"} if "cluster_sizes" in s else {}),
+             "rel. error": f"{s['error_rel']:.4f}",
+             **({"tuned": f"{s['error_rel_tuned']:.4f}"} if "error_rel_tuned" in s else {})}
             for s in r["sites"]]
     lines = [f"{r['method']}: {r['model']} layers {r['layers']} compressed to width {r['width']}", table(rows),
              f"MLP parameters {human_count(r['mlp_params_before'])} -> {human_count(r['mlp_params_after'])}, "
@@ -63,8 +79,11 @@ def render_fuse(r: dict) -> str:
         t = r["tuning"]
         lines.append(f"layer-wise tuning: {t['steps']} steps on {t['tokens']} tokens, MSE {t['mse_before']:.4g} -> "
                      f"{t['mse_after']:.4g}")
+    lines.append(f"relative error of each compressed MLP's output: on {r['error_inputs']}")
     lines.append(f"saved to {r['out']} ({r['seconds']:.0f} s); after fine-tuning, `mlpsurgery export` folds P into a "
                  "plain transformers model (every layer fused to one width)")
+    if r.get("plot"):
+        lines.append(f"plot: {r['plot']}")
     return "\n".join(lines)
 
 
@@ -82,6 +101,7 @@ def run_ntk(args) -> dict:
     from ..models import check_context
 
     dev = device_of(args)
+    stage(args, f"loading {args.model_a} and {args.model_b}")
     ref = load_model(args.model_a, task=args.task)
     check_context(ref.model, args.block_len)
     cand = load_model(args.model_b, task=args.task).model.to(dev)
@@ -107,10 +127,10 @@ def run_ntk(args) -> dict:
            "block_len": args.block_len, "layers": layers, "scope": args.scope, "f": args.f}
     if args.scope in ("model", "both"):
         ntk = ntk_error(ref.model, cand, inputs, layers=layers, f=args.f, labels=labels, seed=args.seed,
-                        progress=not args.quiet)
+                        progress=progress(args))
         res["model"] = {k: v for k, v in ntk.items() if not k.startswith("K_")}
     if args.scope in ("mlp", "both"):
-        res["mlp"] = mlp_ntk_error(ref.model, cand, ids, layers=layers, seed=args.seed, progress=not args.quiet)
+        res["mlp"] = mlp_ntk_error(ref.model, cand, ids, layers=layers, seed=args.seed, progress=progress(args))
     res["output"] = output_error(ref.model, cand, ids, layers=layers)
     res["seconds"] = time.perf_counter() - t0
     return res

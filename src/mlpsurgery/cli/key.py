@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, table
-from . import command, integer, number
+from . import check_plot_path, command, draw, integer, number, progress, stage
 from .core import MODEL_HELP, _load
 
 TASKS = ("auto", "causal-lm", "encoder", "classifier")
@@ -23,28 +23,57 @@ def _floats(text: str) -> list[float]:
 
 def run_lock(args) -> dict:
     from ..methods.corelocker import (CoreLockerConfig, check_lock_targets, default_utility, lock_folder,
-                                      passphrase_from_user, plot_curves)
+                                      passphrase_from_user)
+    from ..methods.corelocker.utility import TargetNotReached
 
     cfg = CoreLockerConfig(ratio=args.ratio if args.ratio is not None else 0.0, indicator=args.indicator,
                            unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
     cfg.validate()
-    # before the passphrase prompt and the model load: a bad --out / --key costs nothing and writes nothing
+    # before the passphrase prompt and the model load: a bad --out / --key / --plot costs nothing and writes nothing
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
+    check_plot_path(args.plot, inputs=[args.model, args.data], outputs=[args.out, args.key])
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
     loaded = _load(args, task=args.task)
-    needs_utility = args.target_utility is not None or args.measure
-    utility = default_utility(loaded.model, loaded.tokenizer, args.data, args.calib_size) if needs_utility else None
-    res = lock_folder(loaded.model, args.out, args.key, cfg, tokenizer=loaded.tokenizer, passphrase=passphrase,
-                      target=args.target_utility, utility=utility, tolerance=args.tolerance, max_ratio=args.max_ratio,
-                      measure=args.measure, overwrite=args.overwrite, progress=not (args.quiet or args.json),
-                      inputs=[args.model])
-    if args.plot and "search" in res:
-        metric = res["utility"]["metric"]
-        res["plot"] = str(plot_curves({f"{cfg.indicator} / {cfg.unit}": res["search"]["curve"]}, metric, args.plot,
-                                      title=f"CoreLocker on {loaded.source}", chance=res["utility"]["chance"]
-                                      if metric.endswith("accuracy") else None, logy=metric == "perplexity"))
+    # a plot needs points: with --ratio, --plot measures the utility before and after as --measure does
+    measure = args.target_utility is None and (args.measure or bool(args.plot))
+    utility = None
+    if args.target_utility is not None or measure:
+        stage(args, "reading the calibration data")
+        utility = default_utility(loaded.model, loaded.tokenizer, args.data, args.calib_size)
+    title = f"CoreLocker {cfg.indicator} / {cfg.unit} on {loaded.source}"
+    try:
+        res = lock_folder(loaded.model, args.out, args.key, cfg, tokenizer=loaded.tokenizer, passphrase=passphrase,
+                          target=args.target_utility, utility=utility, tolerance=args.tolerance,
+                          max_ratio=args.max_ratio, measure=measure, overwrite=args.overwrite,
+                          progress=progress(args), inputs=[args.model])
+    except TargetNotReached as e:
+        # the points evaluated before the search gave up show why the target is out of reach
+        e.details = {"curve": e.curve}
+        if args.plot:
+            failed = e
+            plot = draw("utility", lambda: _plot_lock(args.plot, failed.curve, failed.metric, title, failed.original,
+                                                       failed.target, utility.chance))
+            if plot:
+                e.args = (f"{e}; the evaluated points are plotted in {plot}",)
+                e.details["plot"] = plot
+        raise
     res["model"] = loaded.source
+    if args.plot:
+        u = res["utility"]
+        curve = res["search"]["curve"] if "search" in res else \
+            [{"ratio": 0.0, u["metric"]: u["original"]}, {"ratio": cfg.ratio, u["metric"]: u["locked"]}]
+        target = res["search"]["target"] if "search" in res else None
+        res["plot"] = draw("utility", lambda: _plot_lock(args.plot, curve, u["metric"], title, u["original"], target,
+                                                         u["chance"]))
     return res
+
+
+def _plot_lock(path, curve: list[dict], metric: str, title: str, original: float, target: float | None,
+               chance: float | None):
+    from ..methods.corelocker import plot_curves
+
+    return plot_curves({"locked model": curve}, metric, path, title=title, original=original, target=target,
+                       chance=chance if metric.endswith("accuracy") else None, logy=metric == "perplexity")
 
 
 def render_lock(r: dict) -> str:
@@ -67,7 +96,7 @@ def render_lock(r: dict) -> str:
                      "evaluated ratio -> utility:")
         lines.append("    " + table(s["curve"]).replace("\n", "\n    "))
     if r.get("plot"):
-        lines.append(f"  curve plotted to {r['plot']}")
+        lines.append(f"  utility plotted to {r['plot']}")
     return "\n".join(lines)
 
 
@@ -78,7 +107,8 @@ def run_unlock(args) -> dict:
 
     check_unlock_targets(args.dir, args.key, args.out, args.overwrite)  # before asking for a passphrase
     passphrase = passphrase_from_user() if is_sealed(args.key) else None
-    return unlock_folder(args.dir, args.key, args.out, passphrase=passphrase, overwrite=args.overwrite)
+    return unlock_folder(args.dir, args.key, args.out, passphrase=passphrase, overwrite=args.overwrite,
+                         progress=progress(args))
 
 
 def render_unlock(r: dict) -> str:
@@ -103,9 +133,14 @@ def run_attack(args) -> dict:
     from ..methods.corelocker import (attack_table, classifier_finetune, classifier_utility, lm_finetune,
                                       lm_utility)
 
+    fractions, sparsities = _floats(args.finetune), _floats(args.prune)  # refused before the model loads
+    bad = [x for x in fractions if not 0 < x <= 1] + [x for x in sparsities if not 0 <= x < 1]
+    if bad:
+        raise MLPSurgeryError(f"--finetune fractions must be in (0, 1] and --prune sparsities in [0, 1), not {bad}")
     loaded = _load(args, task=args.task)
     model, tok = loaded.model, loaded.require_tokenizer()
-    progress = not (args.quiet or args.json)
+    show = progress(args)
+    stage(args, "reading the attacker's training data and the evaluation data")
     if type(model).__name__.endswith("ForSequenceClassification"):
         train = read_labelled(args.data or "r8-train")
         test = read_labelled(args.eval_data or "r8-test", classes=train.classes)
@@ -120,12 +155,8 @@ def run_attack(args) -> dict:
         corpus = load_corpus(args.data, tok)
         utility = lm_utility(corpus.heldout, max_tokens=args.eval_size or 4096, bos_id=corpus.bos)
         make_loss = lm_finetune(corpus.blocks("train", args.block_len), batch_size=args.batch_size, epochs=args.epochs)
-    fractions, sparsities = _floats(args.finetune), _floats(args.prune)
-    bad = [x for x in fractions if not 0 < x <= 1] + [x for x in sparsities if not 0 <= x < 1]
-    if bad:
-        raise MLPSurgeryError(f"--finetune fractions must be in (0, 1] and --prune sparsities in [0, 1), not {bad}")
     res = attack_table(model, utility, make_loss, finetune=fractions, prune=sparsities,
-                       trials=args.trials, lr=args.lr, progress=progress)
+                       trials=args.trials, lr=args.lr, progress=show)
     res["model"] = loaded.source
     return res
 
@@ -171,7 +202,10 @@ def register(sub, groups) -> None:
                    help="how close to the target counts as reached (0.025 accuracy; 5%% of a perplexity target)")
     p.add_argument("--max-ratio", type=number(0, 1, high_open=True), default=0.5, help="largest ratio the bisection may use (0.5)")
     p.add_argument("--measure", action="store_true", help="with --ratio: measure the utility before and after")
-    p.add_argument("--plot", help="with --target-utility: draw the evaluated ratio -> utility curve to this PNG")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw utility against extraction ratio to this file: the points --target-utility evaluated "
+                        "(also when the target cannot be reached), or with --ratio the original and the locked "
+                        "model (implies --measure); never inside --out, which you hand out")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder / --key file")
 
     p = command(sub, "unlock", run_unlock, render_unlock,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import table
-from . import command, device_of, integer
+from . import command, integer
 from .core import MODEL_HELP
 
 TASKS_HELP = ("comma-separated tasks: corpus (rolling log-likelihood of --data), r8 (zero-shot Reuters topic, multiple "

@@ -15,10 +15,11 @@ so is reached as ./rank). Options belonging to another form are refused with a m
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_count, table
-from . import command, device_of, integer, number
+from . import check_plot_path, command, device_of, draw, integer, number, progress, stage
 from .core import MODEL_HELP
 
 ACTIONS = ("rank", "sweep")
@@ -62,14 +63,19 @@ def run_nest(args) -> dict:
             _check_options(args, parser, "rank", RANK_OPTS)
             if not args.out:
                 raise MLPSurgeryError("`nest rank` needs --out DIR")
+            stage(args, f"loading {folder}, fixing the rank ({args.form}), writing {args.out}")
             out = nsn.export_rank(folder, args.out, rank=args.rank, budget=args.budget, form=args.form,
                                   overwrite=args.overwrite)
             return {"action": "rank", **out}
         _check_options(args, parser, "sweep", SWEEP_OPTS)
+        plot = args.plot or f"{folder.rstrip('/')}-sweep.png"
+        check_plot_path(plot, inputs=[folder, args.data])
         out = nsn.sweep_folder(folder, data=args.data, ranks=_ranks(args.ranks), max_tokens=args.max_tokens,
                                block_len=args.block_len, max_examples=args.max_examples, max_len=args.max_len,
-                               plot=args.plot or f"{folder.rstrip('/')}-sweep.png", device=device_of(args),
-                               progress=not args.quiet)
+                               plot=None, device=device_of(args), progress=progress(args))
+        # drawn here, not by sweep_folder, so that a plot that fails is a warning after a complete sweep
+        out["plot"] = draw("sweep", lambda: nsn.plot_frontier({Path(folder).name: out["rows"]}, out["metric"], plot,
+                                                              title=f"{folder}: {out['metric']} per rank"))
         return {"action": "sweep", **out}
     if len(words) > 1:
         raise MLPSurgeryError(f"`mlpsurgery nest` takes at most one MODEL, got {words}; the forms are "
@@ -84,7 +90,7 @@ def run_nest(args) -> dict:
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
     out = nsn.nest_model(words[0] if words else None, args.out, cfg, train, data=args.data, batch_size=args.batch_size,
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
-                         overwrite=args.overwrite, device=device_of(args), progress=not args.quiet)
+                         overwrite=args.overwrite, device=device_of(args), progress=progress(args))
     return {"action": "train", **out}
 
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from ..errors import MLPSurgeryError
-from ..report import human_bytes, human_count, table
-from . import command, device_of, integer, number
+from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
+from . import command, device_of, draw, integer, number, progress, stage
 from .core import MODEL_HELP, _load
 
 
@@ -73,6 +73,7 @@ def run_train(args) -> dict:
         loaded = _load(args)
         loaded.model.to(device)
         check_context(loaded.model, args.block_len)
+        stage(args, f"reading and tokenising {args.data or 'austen'}")
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.max_blocks,
                                seed=args.seed if args.max_blocks else None)
@@ -82,20 +83,26 @@ def run_train(args) -> dict:
     model = loaded.model if loaded is not None else None
     # TwIST checkpoints on rank 0 (the central model); DDP ranks each keep their own copy
     own = ckpt if rank == 0 or args.mode == "dp" else None
-    res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=own, progress=not args.quiet)
+    res = twist_train(model, blocks, cfg, mode=args.mode, checkpoint_dir=own, progress=progress(args))
     if rank != 0:
         return {"rank": rank, **res.ranks[0]} if res.ranks else {"rank": rank}
     model.eval()
+    stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs,
          extra={"twist_history": res.history, "twist_ranks": res.ranks, "twist_seconds": res.seconds,
                 "twist_mode": args.mode, "world_size": world})
     if ckpt is not None:
         files.remove_ours(ckpt)  # only the folder twist_train claimed (marked); never one it refused
-    return {"out": args.out, "model": loaded.source, "mode": args.mode, "workers": cfg.workers, "world_size": world,
-            "kappa": f"{cfg.keep}/{cfg.blocks}", "parts": cfg.parts, "rounds": res.rounds, "steps": res.steps,
-            "resumed_from_round": res.resumed_from, "seconds": res.seconds, "data_blocks": list(blocks.shape),
-            "final_loss": res.history[-1]["loss"] if res.history else None, "history": res.history,
-            "ranks": res.ranks}
+    out = {"out": args.out, "model": loaded.source, "mode": args.mode, "workers": cfg.workers, "world_size": world,
+           "kappa": f"{cfg.keep}/{cfg.blocks}", "parts": cfg.parts, "rounds": res.rounds, "steps": res.steps,
+           "resumed_from_round": res.resumed_from, "seconds": res.seconds, "data_blocks": list(blocks.shape),
+           "final_loss": res.history[-1]["loss"] if res.history else None, "history": res.history,
+           "ranks": res.ranks}
+    what = "data parallel (the baseline)" if args.mode == "dp" else \
+        f"TwIST {args.mode}, S={cfg.workers} subnets at kappa {cfg.keep}/{cfg.blocks} ({cfg.parts})"
+    out["plot"] = draw("loss", lambda: plot_rounds(res.history, Path(args.out) / "twist-loss.png",
+                                                   title=f"{what}: {loaded.source}"))
+    return out
 
 
 def render_train(r: dict) -> str:
@@ -111,7 +118,8 @@ def render_train(r: dict) -> str:
         f"{r['mode']} run of {r['model']}: S={r['workers']} workers, kappa {r['kappa']} ({r['parts']}), "
         f"{r['rounds']} rounds / {r['steps']} batches per worker on {r['data_blocks'][0]} blocks of "
         f"{r['data_blocks'][1]} tokens, {r['seconds']:.0f} s",
-        table(rows[-10:]), table(ranks), f"saved to {r['out']}"])
+        table(rows[-10:]), table(ranks), f"saved to {r['out']}"] +
+        ([f"loss per subnet and round plotted to {r['plot']}"] if r.get("plot") else []))
 
 
 # ---- twist extract ----------------------------------------------------------------------------------
@@ -123,11 +131,14 @@ def run_extract(args) -> dict:
     from ..models import load_model
 
     _free_out(args.out, args.overwrite, [args.dir])
+    stage(args, f"loading {args.dir}")
     loaded = load_model(args.dir)
     loaded.model.to(device_of(args))
+    stage(args, f"cutting out the subnet of seed {args.seed}")
     new = twist_extract(loaded.model, keep=args.keep, blocks=args.blocks, parts=args.parts, attn_keep=args.attn_keep,
                         shared_first=args.shared_first, shared_last=args.shared_last, seed=args.seed,
                         rescale=not args.no_rescale)
+    stage(args, f"saving to {args.out}")
     save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir])
     before, after = count_params(loaded.model), count_params(new)
     entry = new._mlpsurgery_history[-1]
@@ -163,13 +174,28 @@ def run_prune(args) -> dict:
     blocks = None
     if args.method in ("wanda", "sparsegpt", "fisher"):
         check_context(loaded.model, args.block_len)
+        stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
-                          blocks=args.blocks, seed=args.seed, progress=not args.quiet)
+                          blocks=args.blocks, seed=args.seed, progress=progress(args))
+    stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
-    return {**report, "out": args.out, "model": loaded.source, "layers": layers,
-            "calibration": None if blocks is None else list(blocks.shape)}
+    res = {**report, "out": args.out, "model": loaded.source, "layers": layers,
+           "calibration": None if blocks is None else list(blocks.shape)}
+    res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
+    return res
+
+
+def plot_prune(r: dict, path):
+    which = {"attn": "attention", "ffn": "MLP", "both": "attention and MLP"}[r["parts"]]
+    structured = r["method"] in ("fisher", "random")
+    panels = [("sparsity", f"share of each layer's {which} weights " + ("removed (physically)" if structured else
+                                                                        "set to zero"), {"sparsity": "sparsity"}),
+              ("relative output error", "output projections without the removed blocks, on calibration data"
+               if structured else "pruned projections against the dense ones, on their calibration inputs",
+               {"error": "error_rel"})]
+    return plot_layers(r["per_layer"], panels, path, title=f"{r['method']} pruning of {r['model']}")
 
 
 def render_prune(r: dict) -> str:
@@ -178,7 +204,23 @@ def render_prune(r: dict) -> str:
         what += f": sparsity {r['sparsity']:.4f} of {human_count(r['considered_params'])} weights"
     if r.get("calibration"):
         what += f", calibrated on {r['calibration'][0]} blocks of {r['calibration'][1]} tokens"
-    return f"{what}\n  saved to {r['out']}"
+    lines = [what]
+    per = r.get("per_layer") or []
+    if per:
+        errs = [x for x in per if x.get("error_rel") is not None]
+        sp = [x["sparsity"] for x in per]
+        lines.append("  per layer: sparsity " + (", ".join(f"{x['layer']}: {x['sparsity']:.3f}" for x in per)
+                                                if len(per) <= 8 else
+                                                f"{min(sp):.3f} to {max(sp):.3f} over {len(per)} layers"))
+        if errs:
+            worst = max(errs, key=lambda x: x["error_rel"])
+            lines.append(f"  relative output error on {r['error_inputs']}: mean "
+                         f"{sum(x['error_rel'] for x in errs) / len(errs):.4f}, largest {worst['error_rel']:.4f} "
+                         f"(layer {worst['layer']})")
+    lines.append(f"  saved to {r['out']}")
+    if r.get("plot"):
+        lines.append(f"  plot: {r['plot']}")
+    return "\n".join(lines)
 
 
 def register(sub, groups) -> None:

@@ -176,11 +176,15 @@ def _peak(device: torch.device, fn: Callable[[], None], track: tuple) -> int:
 
 def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int = 1, lr: float = 1e-5,
                  loss_fn: Callable[[nn.Module, Tensor], Tensor] = default_loss, memory: bool = True,
-                 gradient_checkpointing: bool = False) -> Cost:
+                 gradient_checkpointing: bool = False, progress: bool = False, desc: str = "cost") -> Cost:
     """Time and peak memory of inference and of one full training step on `batch` (B, T).
 
     The model's weights are restored afterwards (the probe's optimizer steps leave no trace).
+    progress: a bar over the passes (a training step of a real model on the CPU takes seconds, and the
+    tracked memory passes longer); it is updated between passes, never inside a timed one.
     """
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     batch = batch.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -217,8 +221,10 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
             times["bwd"].append(t2 - t1)
             times["opt"].append(t3 - t2)
 
+    bar = tqdm(total=2 * (warmup + repeats) + (2 if memory else 0), desc=desc, unit="pass", disable=not progress)
     try:
         model.eval()
+        bar.set_postfix_str("inference")
         for i in range(warmup + repeats):
             _sync(device)
             t0 = time.perf_counter()
@@ -226,12 +232,22 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
             _sync(device)
             if i >= warmup:
                 times["fwd"].append(time.perf_counter() - t0)
+            bar.update(1)
+        if memory:
+            bar.set_postfix_str("inference peak memory")
         fwd_peak = _peak(device, infer, (model, batch)) if memory else 0
+        bar.update(1 if memory else 0)
         model.train()
+        bar.set_postfix_str("training step")
         for i in range(warmup + repeats):
             step(record=i >= warmup)
+            bar.update(1)
+        if memory:
+            bar.set_postfix_str("training step peak memory")
         step_peak = _peak(device, lambda: step(False), (model, opt, batch)) if memory else 0
+        bar.update(1 if memory else 0)
     finally:
+        bar.close()
         with torch.no_grad():
             for p in trainable:
                 p.copy_(saved[id(p)])
@@ -254,8 +270,9 @@ RATIO_KEYS = ("forward_s", "forward_peak_bytes", "train_forward_s", "backward_s"
 
 def compare_cost(reference: nn.Module, candidate: nn.Module, batch: Tensor, **kw) -> dict:
     """Cost of both models on the same batch, measured back to back, and candidate / reference ratios."""
-    ref = measure_cost(reference, batch, **kw)
-    cand = measure_cost(candidate, batch, **kw)
+    kw.pop("desc", None)
+    ref = measure_cost(reference, batch, desc="cost of the reference", **kw)
+    cand = measure_cost(candidate, batch, desc="cost of the candidate", **kw)
     ratio = {k: (getattr(cand, k) / getattr(ref, k) if getattr(ref, k) else None) for k in RATIO_KEYS}
     return {"reference": ref.as_dict(), "candidate": cand.as_dict(), "ratio": ratio}
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import AUSTEN_HELDOUT, Document, default_heldout, encode, read_corpus, read_labelled
+from ..data import Document, default_heldout, encode, read_corpus, read_labelled
 from ..errors import MLPSurgeryError
 from ..models import check_context
 from .perplexity import is_causal_lm, perplexity
@@ -197,13 +197,11 @@ def write_tasks(folder: str | Path, documents: list[Document] | None = None, cor
 
 def require_lm_eval():
     try:
-        import lm_eval  # noqa: F401
-        from lm_eval.models.huggingface import HFLM  # noqa: F401
+        import lm_eval
+        import lm_eval.models.huggingface  # noqa: F401  (HFLM, and the transformers it needs)
     except ImportError as e:
         raise MLPSurgeryError(f"lm-eval is not installed ({e}); pip install 'mlpsurgery[lmeval]' (bash install.sh "
                               "installs it)") from None
-    import lm_eval
-
     return lm_eval
 
 

@@ -48,7 +48,7 @@ from ..io import check_out, record
 from ..modules.nested import NestedLinear, flops_of, rank_all, rank_for_budget
 from ..sites import find_sites, linear_weight, parse_layers
 from ..train import FitConfig, fit, step_rng, trainable
-from ..report import save_figure
+from ..report import ends_stages, save_figure, stage
 
 MODULE_CHOICES = ("mlp", "mlp+attn")
 OBJECTIVES = ("uncertainty", "two_ce", "anchor")
@@ -98,7 +98,9 @@ def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None
     chosen = range(len(sites)) if layers is None else layers
     for i in chosen:
         mlp = sites.mlp[i]
-        if mlp.replaced and mlp.spec.mlp_layout == "module" and not isinstance(mlp.module, nn.Identity):
+        # a whole-MLP replacement (fused / dense MLP, DLR-Net): its slot holds something that is not a projection
+        single = (nn.Linear, Conv1D, NestedLinear) if mlp.spec.mlp_layout != "module" else ()
+        if mlp.replaced and not isinstance(mlp.module, (nn.Identity, *single)):
             found = [(name, m) for name, m in mlp.module.named_modules()
                      if isinstance(m, (nn.Linear, Conv1D, NestedLinear))]
             if not found:
@@ -118,8 +120,11 @@ def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None
             yield from (_Slot(sites.attn[i], role, m) for role, m in sites.attn[i].linears().items())
 
 
-def nest(model: nn.Module, cfg: NSNConfig | None = None) -> nn.Module:
-    """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model."""
+def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False) -> nn.Module:
+    """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
+    progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections)."""
+    from tqdm.auto import tqdm
+
     cfg = cfg or NSNConfig()
     if cfg.modules not in MODULE_CHOICES:
         raise MLPSurgeryError(f"modules must be one of {', '.join(MODULE_CHOICES)}, not {cfg.modules!r}")
@@ -131,7 +136,7 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None) -> nn.Module:
     if done:
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
-    for slot in slots:
+    for slot in tqdm(slots, desc="SVD", unit="projection", disable=not progress):
         weight, bias = linear_weight(slot.module)
         R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
         slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
@@ -557,6 +562,8 @@ def interpolation_check(model: nn.Module, loss_by_rank: Mapping[int, float], tra
 def classifier_metrics(model: nn.Module, tokenizer, data, max_len: int = 128, batch_size: int = 32,
                        progress: bool = True) -> dict:
     """Accuracy and mean cross-entropy of a sequence classifier on a labelled set, in one pass."""
+    from tqdm.auto import tqdm
+
     from ..measure.accuracy import batches
 
     device = next(model.parameters()).device
@@ -565,7 +572,8 @@ def classifier_metrics(model: nn.Module, tokenizer, data, max_len: int = 128, ba
     was = model.training
     model.eval()
     with torch.no_grad():
-        for k, enc in enumerate(batches(tokenizer, data.texts, max_len, batch_size)):
+        for k, enc in enumerate(tqdm(batches(tokenizer, data.texts, max_len, batch_size), desc="accuracy",
+                                     total=-(-len(data) // batch_size), unit="batch", disable=not progress)):
             y = labels[k * batch_size: k * batch_size + len(enc["input_ids"])]
             logits = model(**{n: v.to(device) for n, v in enc.items()}).logits.float().cpu()
             correct += int((logits.argmax(-1) == y).sum())
@@ -689,6 +697,7 @@ def is_labelled(data: str | None) -> bool:
                                  str(data).removesuffix(".gz").endswith((".tab", ".tsv", ".csv", ".jsonl")))
 
 
+@ends_stages
 def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: NSNTrainConfig | None = None,
                data: str | None = None, batch_size: int = 8, block_len: int = 128, max_len: int = 128,
                checkpoint_dir: str | Path | None = None, overwrite: bool = False, device: str = "cpu",
@@ -712,6 +721,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     check_out(out, overwrite, inputs=[model_spec, data, ckpt if steps > 0 else None])  # before hours of training
     if steps > 0:
         check_state(ckpt, inputs=[model_spec, data, out])
+    stage(f"loading {model_spec or 'smollm2 (the default model)'}", progress)
     probe = load_model(model_spec)
     if not _is_classifier(probe.model) and any(a.endswith("ForSequenceClassification")
                                           for a in getattr(probe.model.config, "architectures", None) or []):
@@ -731,7 +741,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         loaded.model.config.id2label = dict(enumerate(labelled.classes))
         loaded.model.config.label2id = {c: i for i, c in enumerate(labelled.classes)}
     model, tok = loaded.model.to(device), loaded.tokenizer
-    nest(model, cfg)
+    nest(model, cfg, progress=progress)
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"]}
@@ -756,6 +766,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                            "resumed_from": res.resumed_from, "seconds": res.seconds,
                            "final_loss": res.history[-1]["loss"] if res.history else None,
                            "objective": train.objective, "sampling": train.sampling}
+    stage(f"saving the nested model to {out}", progress)
     save(model.cpu(), out, tokenizer=tok, overwrite=overwrite, inputs=[model_spec, data])
     if steps > 0:
         remove_ours(ckpt)
@@ -797,6 +808,7 @@ def export_rank(folder: str | Path, out: str | Path, rank: int | None = None, bu
             "loads_with": "transformers from_pretrained" if form == "dense" else "mlpsurgery.load"}
 
 
+@ends_stages
 def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[int] | None = None,
                  max_tokens: int = 8192, block_len: int | None = None, max_examples: int | None = 1000,
                  max_len: int = 128,
@@ -808,6 +820,7 @@ def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[in
     from ..measure.perplexity import default_block_len, perplexity
     from ..models import load_model
 
+    stage(f"loading {folder}", progress)
     loaded = load_model(folder)
     model = loaded.model.to(device)
     tok = loaded.require_tokenizer()
@@ -818,8 +831,8 @@ def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[in
         if max_examples and len(test) > max_examples:
             test = test.sample(max_examples, seed=0)
 
-        def evaluate() -> dict:
-            return classifier_metrics(model, tok, test, max_len=max_len, progress=False)
+        def evaluate() -> dict:  # a bar per rank, left above the bar over the ranks
+            return classifier_metrics(model, tok, test, max_len=max_len, progress=progress)
 
         metric, what = "accuracy", {"labelled": data or "r8-test", "examples": len(test)}
     else:
@@ -830,7 +843,7 @@ def sweep_folder(folder: str | Path, data: str | None = None, ranks: Sequence[in
         block_len = block_len or default_block_len(model, 256)
 
         def evaluate() -> dict:
-            p = perplexity(model, corpus.heldout, block_len=block_len, max_tokens=max_tokens, progress=False,
+            p = perplexity(model, corpus.heldout, block_len=block_len, max_tokens=max_tokens, progress=progress,
                            bos_id=corpus.bos)
             return {"ppl": p.ppl, "loss": p.nll, "tokens": p.tokens}
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..errors import MLPSurgeryError
 from ..io import record
 from ..modules.masks import install_mask
+from ..report import ends_stages, stage
 from ..sites import find_sites, linear_weight
 
 PARTS = ("attn", "ffn", "both")
@@ -47,9 +48,11 @@ def prunable_weights(model: nn.Module, parts: str = "both", layers: list[int] | 
     return out
 
 
+@ends_stages
 def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", layers: list[int] | None = None,
-                    scope: str = "layer") -> dict:
-    """Zero the `sparsity` fraction of smallest-magnitude weights (per matrix, or global). In place."""
+                    scope: str = "layer", progress: bool = False) -> dict:
+    """Zero the `sparsity` fraction of smallest-magnitude weights (per matrix, or global). In place.
+    progress: a bar over the matrices (a full sort each: tens of seconds for all of SmolLM2's)."""
     if not 0.0 <= sparsity < 1.0:
         raise MLPSurgeryError(f"sparsity must be in [0, 1), not {sparsity}")
     if scope not in ("layer", "global"):
@@ -64,11 +67,12 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
                 if thresh is not None:
                     w.mul_((w.abs().float() > thresh).to(w.dtype))
         else:
-            for w in weights.values():
+            for w in tqdm(weights.values(), desc="magnitude", unit="matrix", disable=not progress):
                 k = int(sparsity * w.numel())
                 if k > 0:
                     idx = w.detach().abs().flatten().argsort()[:k]
                     w.view(-1)[idx] = 0
+    stage("recording the masks, counting the zeros of every matrix", progress)
     if sparsity > 0:
         _mask(model, weights)
     return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope}
@@ -202,6 +206,7 @@ def layer_moments(model: nn.Module, data: Tensor, parts: str = "both", layers: l
     return {i: {n.split(".", 1)[1]: h for n, h in flat.items() if int(n.split(".", 1)[0]) == i} for i in layers}
 
 
+@ends_stages
 def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | dict, method: str, parts: str = "both",
                      layers: list[int] | None = None, batch_size: int = 8, sequential: bool = True,
                      moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True) -> dict:
@@ -221,30 +226,85 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
     layers = list(range(len(sites))) if layers is None else sorted(layers)
     if moments is None and not sequential:
         moments = layer_moments(model, data, parts, layers, batch_size)
+    errors: dict[int, dict[str, tuple[float, float]]] = {}
     for i in tqdm(layers, desc=method, unit="layer", disable=not progress):
         linears = _layer_linears(sites, i, parts)
         h = moments[i] if moments is not None else input_moments(model, data, linears, stop_after=i,
                                                                   batch_size=batch_size)
+        errors[i] = {}
         for name, mod in linears.items():
             s = _sparsity_of(sparsity, name)
             W, _ = linear_weight(mod)
             with torch.no_grad():
+                before = W.detach().float().clone()
                 if method == "wanda":
                     W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s).to(W.dtype))
                 else:
                     W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
+                errors[i][name] = _output_error(before, W.detach().float(), h[name].float())
+    stage("recording the masks, counting the zeros of every matrix", progress)
     for part in ("attn", "ffn"):
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
             _mask(model, prunable_weights(model, part, layers))
-    return {**_report(model, method, parts, layers, sparsity), "sequential": moments is None}
+    report = {**_report(model, method, parts, layers, sparsity, errors), "sequential": moments is None}
+    report["error_inputs"] = ("the calibration inputs of each projection, " + (
+        "measured with the layers before it already pruned (as the method prunes)" if moments is None else
+        "measured once on the dense model"))
+    return report
 
 
-def _report(model: nn.Module, method: str, parts: str, layers, sparsity) -> dict:
-    weights = prunable_weights(model, parts, layers)
-    total = sum(w.numel() for w in weights.values())
-    zeros = sum(int((w == 0).sum()) for w in weights.values())
+def _output_error(before: Tensor, after: Tensor, H: Tensor) -> tuple[float, float]:
+    """(||(W' - W) X||^2, ||W X||^2) / n for inputs X with second moment H = X^T X / n: the output error of a
+    pruned projection on its calibration inputs, from the moment the method already has (no second pass)."""
+    D = after - before
+    return float(((D @ H) * D).sum()), float(((before @ H) * before).sum())
+
+
+def _per_layer(sparsity: dict[int, float], errors: dict[int, dict[str, tuple[float, float]]] | None) -> list[dict]:
+    """Rows {layer, sparsity, error_rel, projections}: error_rel = sqrt(sum of the squared output errors of the
+    layer's pruned projections / sum of their squared outputs) (None without calibration data)."""
+    rows = []
+    for i, sp in sparsity.items():
+        row = {"layer": i, "sparsity": sp, "error_rel": None}
+        e = (errors or {}).get(i)
+        if e:
+            num, den = sum(v[0] for v in e.values()), sum(v[1] for v in e.values())
+            row["error_rel"] = (num / den) ** 0.5 if den > 0 else None
+            row["projections"] = {n: (a / b) ** 0.5 if b > 0 else None for n, (a, b) in e.items()}
+        rows.append(row)
+    return rows
+
+
+def _layer_counts(model: nn.Module, parts: str = "both", layers: list[int] | None = None) -> dict[int, tuple[int, int]]:
+    """Per layer, (zero entries, entries) of its prunable weight matrices."""
+    layers = list(range(len(find_sites(model)))) if layers is None else layers
+    out = {}
+    for i in layers:
+        ws = prunable_weights(model, parts, [i]).values()
+        total = sum(w.numel() for w in ws)
+        out[i] = (total - sum(int(torch.count_nonzero(w.detach())) for w in ws), total)
+    return out
+
+
+def layer_sparsity(model: nn.Module, parts: str = "both", layers: list[int] | None = None) -> dict[int, float]:
+    """Fraction of zero entries among each layer's prunable weight matrices."""
+    return {i: z / max(t, 1) for i, (z, t) in _layer_counts(model, parts, layers).items()}
+
+
+def _layer_sizes(model: nn.Module, parts: str, layers: list[int]) -> dict[int, int]:
+    return {i: sum(w.numel() for w in prunable_weights(model, parts, [i]).values()) for i in layers}
+
+
+def _report(model: nn.Module, method: str, parts: str, layers, sparsity,
+            errors: dict[int, dict[str, tuple[float, float]]] | None = None) -> dict:
+    """The whole run's sparsity and, per layer, its sparsity and output error (`_per_layer`), from one count of
+    the zeros of every chosen matrix (seconds for a real model: it is counted once)."""
+    counts = _layer_counts(model, parts, layers)
+    total = sum(t for _, t in counts.values())
+    zeros = sum(z for z, _ in counts.values())
     return {"method": method, "parts": parts, "target": sparsity, "sparsity": zeros / max(total, 1),
-            "pruned_params": zeros, "considered_params": total}
+            "pruned_params": zeros, "considered_params": total,
+            "per_layer": _per_layer({i: z / max(t, 1) for i, (z, t) in counts.items()}, errors)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,12 +376,69 @@ def fisher_block_prune(model: nn.Module, data: Tensor, keep: int, blocks: int = 
     layout = make_layout(model, parts, layers, blocks, keep, attn_keep)
     fisher = block_fisher(model, data, layout, batch_size=batch_size, progress=progress)
     subnet = fisher_subnet(fisher, layout)
+    errors = removal_errors(model, data, layout, subnet, batch_size=batch_size, progress=progress)
     new = materialize(model, layout, subnet, rescale=False)
     config = {"keep": keep, "blocks": blocks, "parts": parts, "layers": layers, "attn_keep": attn_keep}
     record(new, "fisher-block-prune", config, calibration=list(data.shape),
            subnet=subnet.as_dict())
     return new, {"method": "fisher", "parts": parts, **config,
-                 "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()}}
+                 "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()},
+                 "errors": errors}
+
+
+def removal_errors(model: nn.Module, data: Tensor, layout, subnet, batch_size: int = 4,
+                   progress: bool = False) -> dict[int, dict[str, tuple[float, float]]]:
+    """What removing the blocks outside `subnet` costs each layer on the calibration blocks, in one forward pass
+    of the dense model: per layer and output projection (attention o, MLP down), (||W_removed x_removed||^2,
+    ||W x||^2) summed over tokens. Removing a block removes exactly its input features of these projections
+    (its q / k / v rows and up / gate rows only feed them), so this is the error of each sub-block's output."""
+    from ..capture import _StopForward
+    from .twist import attn_feature_blocks, mlp_feature_blocks
+
+    sites = find_sites(model)
+    device = next(model.parameters()).device
+    sums: dict[int, dict[str, list[float]]] = {}
+    handles = []
+
+    def hook(i: int, name: str, W: Tensor, removed: Tensor):
+        def fn(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            acc = sums.setdefault(i, {}).setdefault(name, [0.0, 0.0])
+            acc[0] += float((x[:, removed] @ W[:, removed].T).pow(2).sum())
+            acc[1] += float((x @ W.T).pow(2).sum())
+        return fn
+
+    for i, kept in subnet.attn.items():
+        W, _ = linear_weight(sites.attn[i].o_proj)
+        removed = ~torch.isin(attn_feature_blocks(sites.attn[i]), torch.tensor(kept)).to(device)
+        handles.append(sites.attn[i].o_proj.register_forward_pre_hook(hook(i, "attn.o", W.detach().float(), removed)))
+    for i, kept in subnet.mlp.items():
+        W, _ = linear_weight(sites.mlp[i].down_proj)
+        removed = ~torch.isin(mlp_feature_blocks(layout.mlp_h[i], layout.R), torch.tensor(kept)).to(device)
+        handles.append(sites.mlp[i].down_proj.register_forward_pre_hook(
+            hook(i, "ffn.down", W.detach().float(), removed)))
+    last = max([*subnet.attn, *subnet.mlp], default=None)
+    if last is None:
+        return {}
+
+    def stop(mod, args, out):
+        raise _StopForward
+
+    handles.append(sites.mlp[last].layer.register_forward_hook(stop))  # nothing after the last layer is needed
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in tqdm(range(0, len(data), batch_size), desc="removal error", unit="batch", disable=not progress):
+                try:
+                    model(input_ids=data[b:b + batch_size].to(device))
+                except _StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {i: {n: (v[0], v[1]) for n, v in d.items()} for i, d in sums.items()}
 
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "fisher", "random")
@@ -343,7 +460,7 @@ def prune(model: nn.Module, method: str, sparsity: float, parts: str = "both", l
     if method not in METHODS:
         raise MLPSurgeryError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
     if method == "magnitude":
-        report = magnitude_prune(model, sparsity, parts=parts, layers=layers)
+        report = magnitude_prune(model, sparsity, parts=parts, layers=layers, progress=progress)
         record(model, "magnitude-prune", {"sparsity": sparsity, "parts": parts, "layers": layers})
         return model, report
     if method in ("wanda", "sparsegpt"):
@@ -352,10 +469,20 @@ def prune(model: nn.Module, method: str, sparsity: float, parts: str = "both", l
                calibration=list(data.shape))
         return model, report
     keep = keep_for_sparsity(sparsity, blocks)
+    all_layers = list(range(len(find_sites(model))))
+    before = _layer_sizes(model, parts, all_layers)
     if method == "fisher":
-        return fisher_block_prune(model, data, keep, blocks, parts, layers, progress=progress)
-    from .twist import twist_extract
+        new, report = fisher_block_prune(model, data, keep, blocks, parts, layers, progress=progress)
+        errors = report.pop("errors")
+        report["error_inputs"] = ("the calibration blocks through the dense model: the output of each layer's "
+                                  "attention o / MLP down projection without the removed blocks' input features")
+    else:
+        from .twist import twist_extract
 
-    layers = list(range(len(find_sites(model)))) if layers is None else layers
-    new = twist_extract(model, keep=keep, blocks=blocks, parts=parts, layers=layers, seed=seed)
-    return new, {"method": "random", "parts": parts, "keep": keep, "blocks": blocks, "seed": seed}
+        layers = all_layers if layers is None else layers
+        new = twist_extract(model, keep=keep, blocks=blocks, parts=parts, layers=layers, seed=seed)
+        report, errors = {"method": "random", "parts": parts, "keep": keep, "blocks": blocks, "seed": seed}, None
+    # structured pruning removes weights physically: a layer's sparsity is the share of its weights now gone
+    after = _layer_sizes(new, parts, all_layers)
+    report["per_layer"] = _per_layer({i: 1 - after[i] / before[i] if before[i] else 0.0 for i in all_layers}, errors)
+    return new, report

@@ -14,6 +14,7 @@ from torch import nn
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import check_file_out, check_out, write_private
 from ...io import loaded_from
+from ...report import ends_stages, stage
 from .config import CoreLockerConfig
 from .keyfile import key_file_bytes, read_key
 from .lock import lock_key, unlock_key
@@ -77,6 +78,7 @@ def _place_key(staged: Path, key_path: Path, out: Path, overwrite: bool) -> None
                               "keep keys, it is the only way to unlock the model") from None
 
 
+@ends_stages
 def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: CoreLockerConfig, tokenizer=None,
                 passphrase: str | None = None, target: float | None = None, utility: Utility | None = None,
                 tolerance: float | None = None, max_ratio: float = 0.5, measure: bool = False,
@@ -101,11 +103,17 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
         cfg = dataclasses.replace(cfg, ratio=search.ratio)
         ranking, before = search.ranking, search.curve[0][utility.name]
     elif measure:
-        before = utility(model)
-    key = lock_key(model, cfg, ranking)
-    after = utility(model) if utility is not None and (measure or target is not None) else None
+        stage(f"{utility.name} of the original model on {utility.data}", progress)
+        before = utility(model, progress=progress)
+    key = lock_key(model, cfg, ranking, progress=progress)
+    after = None
+    if utility is not None and (measure or target is not None):
+        stage(f"{utility.name} of the locked model on {utility.data}", progress)
+        after = utility(model, progress=progress)
     from ...io import save
 
+    stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)" if passphrase
+                                                     else ""), progress)
     blob = key_file_bytes(key, _numels(model), passphrase)
     # the key is written first (beside its place, 0600), so a key that cannot be written stops everything
     staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
@@ -155,8 +163,9 @@ def _recorded_original(locked: Path) -> tuple[bool, str | None]:
     return True, recorded
 
 
+@ends_stages
 def unlock_folder(locked: str | Path, key_path: str | Path, out: str | Path, passphrase: str | None = None,
-                  overwrite: bool = False) -> dict:
+                  overwrite: bool = False, progress: bool = False) -> dict:
     """Restore a locked folder with its key into `out`, bit for bit. A wrong, truncated or tampered key,
     a wrong passphrase or a modified locked folder is refused and nothing is written.
 
@@ -170,16 +179,20 @@ def unlock_folder(locked: str | Path, key_path: str | Path, out: str | Path, pas
 
     out, locked = Path(out), Path(locked)
     check_unlock_targets(locked, key_path, out, overwrite)
+    stage(f"reading the key {key_path}" + (" (unsealing: scrypt takes a moment)" if passphrase else ""), progress)
     key = read_key(key_path, passphrase)
     if not (locked / "config.json").exists():
         raise MLPSurgeryError(f"{locked} is not a model folder (no config.json); give the folder written by "
                               "`mlpsurgery lock key --out`")
+    stage(f"loading the locked model {locked}", progress)
     loaded = load_model(locked)  # the class its manifest or config names: heads are kept
     if type(loaded.model).__name__ != key.header.get("model_class"):
         raise IntegrityError(f"{locked} holds a {type(loaded.model).__name__}, the key was made for a "
                              f"{key.header.get('model_class')}: this key does not belong to this model")
     cross_checked, recorded = _recorded_original(locked)
+    stage("checking the key against the locked model, restoring, checking the original's fingerprint", progress)
     unlock_key(loaded.model, key, original=recorded if cross_checked else None, where=f"the locked folder {locked}")
+    stage(f"writing the restored model to {out}", progress)
     save(loaded.model, out, tokenizer=loaded.tokenizer, overwrite=overwrite, inputs=[locked, key_path])
     return {"unlocked": str(out), "from": str(locked), "key": str(key_path), "entries_restored": key.entries,
             "original_fingerprint": key.header["original_fingerprint"], "check": key.check,

@@ -8,19 +8,28 @@ from torch import nn
 
 from ...errors import IntegrityError
 from ...io import record
+from ...report import ends_stages, stage
 from .config import CoreLockerConfig
 from .keyfile import KEY_FORMAT, KEY_VERSION, Key
 from .ranking import Ranking, _flat, apply_extraction, fingerprint, restore_values, tensor_hashes
 from .units import unit_groups
 
 
-def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = None) -> Key:
-    """Extract the key from `model` in place (the model becomes the locked model). Returns the key."""
+@ends_stages
+def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = None, progress: bool = False) -> Key:
+    """Extract the key from `model` in place (the model becomes the locked model). Returns the key.
+    progress: a stage line on stderr before each step (on SmolLM2 each takes seconds: hashing every tensor,
+    ranking ~10^8 weights, gathering the chosen positions)."""
     cfg.validate()
+    stage("hashing every tensor of the original model", progress)
     original = fingerprint(tensor_hashes(model))
-    ranking = ranking or Ranking(unit_groups(model, cfg), cfg.scope, cfg.ratio)
+    if ranking is None:
+        stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope})", progress)
+        ranking = Ranking(unit_groups(model, cfg), cfg.scope, cfg.ratio)
+    stage(f"extracting {ranking.count(cfg.ratio):,} of {ranking.n_units:,} {cfg.unit} units", progress)
     extraction, n_units = ranking.take(cfg.ratio)
     values = apply_extraction(model, extraction)
+    stage("hashing every tensor of the locked model", progress)
     locked = tensor_hashes(model)
     header = {
         "format": KEY_FORMAT, "version": KEY_VERSION, "config": asdict(cfg),

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import MLPSurgeryError
-from ...report import save_figure
+from ...report import ends_stages, pyplot, save_figure, stage, wrap
 from .config import CoreLockerConfig
 from .ranking import Ranking, apply_extraction, restore_values
 from .units import unit_groups
@@ -24,25 +24,31 @@ class Utility:
     """A calibration measurement of a model: accuracy of a classifier, perplexity of a causal LM, or
     anything a caller supplies. `higher_is_better` tells the bisection which way the curve runs."""
 
-    fn: Callable[[nn.Module], float]
+    fn: Callable[..., float]
     name: str
     higher_is_better: bool
     data: str = ""
     chance: float | None = None
+    # fn takes a `progress` keyword (the built-in utilities do): a measurement on a real model takes tens of
+    # seconds, and the caller may show it as a progress bar
+    takes_progress: bool = False
 
-    def __call__(self, model: nn.Module) -> float:
+    def __call__(self, model: nn.Module, progress: bool = False) -> float:
+        if progress and self.takes_progress:
+            return float(self.fn(model, progress=True))
         return float(self.fn(model))
 
     def default_tolerance(self, target: float) -> float:
         return 0.025 if self.name.endswith("accuracy") else 0.05 * abs(target)
 
 
-def balanced_accuracy(model: nn.Module, tokenizer, data, max_len: int = 128, batch_size: int = 32) -> float:
+def balanced_accuracy(model: nn.Module, tokenizer, data, max_len: int = 128, batch_size: int = 32,
+                      progress: bool = False) -> float:
     """Mean per-class recall: 1/C for any constant or random predictor, whatever the class balance
     (plain accuracy of a constant predictor is its class's frequency: 49% for 'earn' in R8 test)."""
     from ...measure.accuracy import predict
 
-    pred = predict(model, tokenizer, data.texts, max_len=max_len, batch_size=batch_size, progress=False)
+    pred = predict(model, tokenizer, data.texts, max_len=max_len, batch_size=batch_size, progress=progress)
     labels = torch.tensor(data.labels)
     recalls = [float((pred[labels == c] == c).float().mean()) for c in labels.unique().tolist()]
     return sum(recalls) / len(recalls)
@@ -51,11 +57,13 @@ def balanced_accuracy(model: nn.Module, tokenizer, data, max_len: int = 128, bat
 def classifier_utility(tokenizer, data, max_len: int = 128, batch_size: int = 32, balanced: bool = False) -> Utility:
     from ...measure.accuracy import accuracy
 
+    what = f"{data.name or 'labelled set'} ({len(data)} examples)"
     if balanced:
-        return Utility(lambda m: balanced_accuracy(m, tokenizer, data, max_len, batch_size), "balanced_accuracy", True,
-                       f"{data.name or 'labelled set'} ({len(data)} examples)", 1 / data.num_classes)
-    return Utility(lambda m: accuracy(m, tokenizer, data, max_len=max_len, batch_size=batch_size, progress=False),
-                   "accuracy", True, f"{data.name or 'labelled set'} ({len(data)} examples)", 1 / data.num_classes)
+        return Utility(lambda m, progress=False: balanced_accuracy(m, tokenizer, data, max_len, batch_size, progress),
+                       "balanced_accuracy", True, what, 1 / data.num_classes, takes_progress=True)
+    return Utility(lambda m, progress=False: accuracy(m, tokenizer, data, max_len=max_len, batch_size=batch_size,
+                                                      progress=progress),
+                   "accuracy", True, what, 1 / data.num_classes, takes_progress=True)
 
 
 def lm_utility(sequences: list[Tensor], block_len: int | None = None, max_tokens: int | None = 4096,
@@ -64,12 +72,12 @@ def lm_utility(sequences: list[Tensor], block_len: int | None = None, max_tokens
     bos_id: the tokenizer's BOS when it adds one by default (`corpus.bos`)."""
     from ...measure.perplexity import default_block_len, perplexity
 
-    def ppl(m: nn.Module) -> float:
+    def ppl(m: nn.Module, progress: bool = False) -> float:
         return perplexity(m, sequences, block_len=block_len or default_block_len(m, 256), max_tokens=max_tokens,
-                          progress=False, bos_id=bos_id).ppl
+                          progress=progress, bos_id=bos_id).ppl
 
     return Utility(ppl, "perplexity", False,
-                   f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}")
+                   f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}", takes_progress=True)
 
 
 def default_utility(model: nn.Module, tokenizer, data: str | None = None, size: int | None = None) -> Utility:
@@ -109,10 +117,11 @@ def extracted(model: nn.Module, ranking: Ranking, ratio: float):
         restore_values(model, {k: p for k, (p, _) in extraction.items()}, originals)
 
 
-def evaluate_at(model: nn.Module, ranking: Ranking, ratio: float, utility: Utility) -> tuple[float, int]:
+def evaluate_at(model: nn.Module, ranking: Ranking, ratio: float, utility: Utility,
+                progress: bool = False) -> tuple[float, int]:
     """Utility of the model with the units of `ratio` extracted; the model is restored afterwards."""
     with extracted(model, ranking, ratio) as n:
-        return utility(model), n
+        return utility(model, progress=progress), n
 
 
 def utility_curve(model: nn.Module, cfg: CoreLockerConfig, ratios, utility: Utility, progress: bool = True,
@@ -127,6 +136,16 @@ def utility_curve(model: nn.Module, cfg: CoreLockerConfig, ratios, utility: Util
         u, n = evaluate_at(model, ranking, r, utility)
         rows.append({"ratio": r, "units": n, utility.name: u})
     return rows
+
+
+class TargetNotReached(MLPSurgeryError):
+    """The target utility lies outside what the extraction can reach (beyond the original model, or short of
+    it at the largest ratio allowed). `curve` holds the points evaluated before giving up, so that they can
+    still be shown (`lock key --plot` draws them)."""
+
+    def __init__(self, message: str, curve: list[dict], metric: str, target: float, original: float):
+        super().__init__(message)
+        self.curve, self.metric, self.target, self.original = curve, metric, target, original
 
 
 @dataclass
@@ -144,6 +163,7 @@ class RatioSearch:
                 "target": self.target, "tolerance": self.tolerance, "curve": self.curve}
 
 
+@ends_stages
 def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target: float,
                tolerance: float | None = None, max_ratio: float = 0.5, iterations: int = 14,
                progress: bool = True) -> RatioSearch:
@@ -153,7 +173,9 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
     from tqdm.auto import tqdm
 
     tol = utility.default_tolerance(target) if tolerance is None else tolerance
+    stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope})", progress)
     ranking = Ranking(unit_groups(model, cfg), cfg.scope, max_ratio)
+    stage(f"searching the ratio that brings {utility.name} to {target:g} on {utility.data}", progress)
     sign = 1.0 if utility.higher_is_better else -1.0
 
     def side(u: float) -> int:
@@ -163,23 +185,30 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
     curve: list[dict] = []
 
     def point(r: float) -> float:
-        u, n = evaluate_at(model, ranking, r, utility)
+        # each measurement shows its own bar (tens of seconds on a real model); the finished ones stay above the
+        # search's bar as a log of the points tried
+        u, n = evaluate_at(model, ranking, r, utility, progress=progress)
         curve.append({"ratio": r, "units": n, utility.name: u})
         bar.update(1)
+        bar.set_postfix({"ratio": f"{r:.3g}", utility.name: f"{u:.4g}"})
         return u
+
+    def unreachable(message: str) -> TargetNotReached:
+        return TargetNotReached(message, sorted(curve, key=lambda c: c["ratio"]), utility.name, target,
+                                curve[0][utility.name])
 
     bar = tqdm(total=iterations + 2, desc="target utility", disable=not progress)
     try:
         u0 = point(0.0)
         if side(u0) < 0:
-            raise MLPSurgeryError(f"the target {utility.name} {target:g} is beyond the original model's {u0:.4g}; "
-                                  "no extraction can reach it")
+            raise unreachable(f"the target {utility.name} {target:g} is beyond the original model's {u0:.4g}; "
+                              "no extraction can reach it")
         best = 0.0
         if side(u0) != 0:
             u_hi = point(max_ratio)
             if side(u_hi) > 0:
-                raise MLPSurgeryError(f"extracting {max_ratio:g} of the units still leaves {utility.name} {u_hi:.4g}, "
-                                      f"short of the target {target:g}; raise --max-ratio or choose another unit")
+                raise unreachable(f"extracting {max_ratio:g} of the units still leaves {utility.name} {u_hi:.4g}, "
+                                  f"short of the target {target:g}; raise --max-ratio or choose another unit")
             lo, hi = 0.5 / ranking.n_units, max_ratio
             best = max_ratio
             for _ in range(iterations):
@@ -201,25 +230,31 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
 
 
 def plot_curves(curves: dict[str, list[dict]], metric: str, path: str | Path, title: str = "",
-                chance: float | None = None, logy: bool = False) -> Path:
-    """Utility against extraction ratio (log x), one line per label, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+                chance: float | None = None, logy: bool = False, original: float | None = None,
+                target: float | None = None) -> Path:
+    """Utility against extraction ratio (log x), one line per label, as a PNG. Ratio 0 (the original model)
+    has no place on a log axis: pass its utility as `original` to draw it as a horizontal line, and `target`
+    for the utility a search aimed at."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
+    positive = False
     for label, rows in curves.items():
-        pts = [(r["ratio"], r[metric]) for r in rows if r["ratio"] > 0]
+        pts = sorted((r["ratio"], r[metric]) for r in rows if r["ratio"] > 0)
+        positive = positive or bool(pts)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if original is not None:
+        ax.axhline(original, color="tab:green", linestyle=":", label=f"original, ratio 0 ({original:.4g})")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="-.", label=f"target ({target:.4g})")
     if chance is not None:
         ax.axhline(chance, color="grey", linestyle="--", label=f"chance ({chance:.3g})")
-    ax.set_xscale("log")
+    if positive:  # a search refused at the original model has no point on a log axis
+        ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("extraction ratio (fraction of eligible units)")
     ax.set_ylabel(metric)
-    ax.set_title(title)
+    ax.set_title(wrap(title, 70))
     ax.grid(alpha=0.3)
     ax.legend()
     return save_figure(fig, path)

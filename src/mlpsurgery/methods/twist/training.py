@@ -28,8 +28,10 @@ from .hooks import subnet_hooks
 MODES = ("masked", "true", "hybrid", "dp")
 
 
-def _local_train(model: nn.Module, shard: Tensor, cfg: TwISTConfig, r: int, worker: int) -> list[float]:
-    """Worker `worker`'s batches of round r on `model` (hooks already installed): a fresh AdamW (the rule)."""
+def _local_train(model: nn.Module, shard: Tensor, cfg: TwISTConfig, r: int, worker: int,
+                 on_batch: Callable[[int, int, int], None] | None = None) -> list[float]:
+    """Worker `worker`'s batches of round r on `model` (hooks already installed): a fresh AdamW (the rule).
+    on_batch(worker, t, n) is called before batch t of n (the round's progress bar shows it)."""
     first = r * cfg.interval
     n = min(cfg.interval, cfg.steps - first)
     torch.manual_seed(step_rng(cfg.seed, r, stream=104729 + worker).initial_seed())  # dropout
@@ -38,6 +40,8 @@ def _local_train(model: nn.Module, shard: Tensor, cfg: TwISTConfig, r: int, work
                    clip=cfg.clip, seed=cfg.seed)
 
     def loss_fn(t: int) -> Tensor:
+        if on_batch is not None:
+            on_batch(worker, t, n)
         batch = _batch(shard, cfg, first + t, worker).to(device)
         return model(input_ids=batch, labels=batch, use_cache=False).loss
 
@@ -160,10 +164,11 @@ class _Run:
         self.trains_sub = self.sub is not None and (mode == "true" or self.rank > 0)
         if self.trains_sub:
             subnet_hooks(self.sub, self.layout)  # the scale, for the whole run
+        self.on_batch: Callable[[int, int, int], None] | None = None
 
     def _train(self, model, shard, r: int, worker: int) -> list[float]:
         t = time.perf_counter()
-        losses = _local_train(model, shard, self.cfg, r, worker)
+        losses = _local_train(model, shard, self.cfg, r, worker, self.on_batch)
         self.train_s += time.perf_counter() - t
         self.batches += len(losses)
         return losses
@@ -252,6 +257,14 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
     t0 = time.perf_counter() - run.elapsed
     bar = tqdm(total=cfg.rounds, initial=run.start, desc=f"twist {mode}", unit="round",
                disable=not progress or run.rank != 0)
+    last = {"loss": ""}
+    if progress and run.rank == 0:
+        # a round is S workers x interval batches (minutes on a real model on the CPU): the bar shows each batch
+        # (in true / hybrid mode the ones rank 0 trains itself)
+        def on_batch(worker: int, t: int, n: int) -> None:
+            bar.set_postfix_str(f"{last['loss']}worker {worker + 1}/{cfg.workers} batch {t + 1}/{n}")
+
+        run.on_batch = on_batch
     for r in range(run.start, cfg.rounds):
         started = time.perf_counter()
         subnets = run.layout.blueprint(cfg.workers, _round_generator(cfg.seed, r)) if run.rank == 0 else None
@@ -259,7 +272,8 @@ def _train_twist(model, blocks, cfg, mode, checkpoint_dir, progress, callback) -
         if run.rank == 0:
             rec = run.log(r, losses, started, t0)
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4g}")
+            last["loss"] = f"loss={rec['loss']:.4g}, "
+            bar.set_postfix_str(last["loss"].rstrip(", "))
             if callback is not None:
                 callback(rec)
     bar.close()
