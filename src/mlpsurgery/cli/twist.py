@@ -168,6 +168,12 @@ def run_prune(args) -> dict:
     from ..models import check_context
     from ..sites import find_sites, parse_layers
 
+    from ..methods.pruning import parse_pattern
+
+    pattern = parse_pattern(args.pattern)
+    if pattern is not None and args.method not in ("magnitude", "wanda", "sparsegpt"):
+        raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
+                              "(which removes whole blocks: use --sparsity)")
     _free_out(args.out, args.overwrite, [args.model, args.data])
     loaded = _load(args)
     layers = parse_layers(args.layers, len(find_sites(loaded.model)))
@@ -178,7 +184,7 @@ def run_prune(args) -> dict:
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
-                          blocks=args.blocks, seed=args.seed, progress=progress(args))
+                          blocks=args.blocks, seed=args.seed, progress=progress(args), pattern=pattern)
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
     res = {**report, "out": args.out, "model": loaded.source, "layers": layers,
@@ -202,6 +208,8 @@ def render_prune(r: dict) -> str:
     what = f"{r['method']} pruning of {r['model']} ({r['parts']}, layers {r['layers'][0]}-{r['layers'][-1]})"
     if "sparsity" in r:
         what += f": sparsity {r['sparsity']:.4f} of {human_count(r['considered_params'])} weights"
+        if r.get("pattern"):
+            what += f" in the {r['pattern']} pattern"
     if r.get("calibration"):
         what += f", calibrated on {r['calibration'][0]} blocks of {r['calibration'][1]} tokens"
     lines = [what]
@@ -277,8 +285,12 @@ def register(sub, groups) -> None:
                 "(unstructured), Fisher block pruning and random subnets (structured)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt", "fisher", "random"), required=True)
-    p.add_argument("--sparsity", type=number(0, 1, low_open=False, high_open=True), required=True,
-                   help="fraction of the chosen weights removed; for fisher / random: of the blocks per layer")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--sparsity", type=number(0, 1, low_open=False, high_open=True),
+                     help="fraction of the chosen weights removed; for fisher / random: of the blocks per layer")
+    how.add_argument("--pattern", metavar="N:M",
+                     help="semi-structured sparsity for magnitude / wanda / sparsegpt: N nonzeros in every M "
+                          "consecutive inputs of a row (2:4, the format sparse tensor cores serve; 4:8)")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
     p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
     p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher): file, folder, austen (default) / r8")

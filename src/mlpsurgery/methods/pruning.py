@@ -48,18 +48,38 @@ def prunable_weights(model: nn.Module, parts: str = "both", layers: list[int] | 
     return out
 
 
+def input_major(model: nn.Module, weights: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """The same weights as (out, in) views (GPT-2's Conv1D stores (in, out)): N:M groups run along the inputs."""
+    from transformers.pytorch_utils import Conv1D
+
+    conv = {f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, Conv1D)}
+    return {n: (w.T if n in conv else w) for n, w in weights.items()}
+
+
 @ends_stages
 def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", layers: list[int] | None = None,
-                    scope: str = "layer", progress: bool = False) -> dict:
+                    scope: str = "layer", progress: bool = False, pattern: tuple[int, int] | None = None) -> dict:
     """Zero the `sparsity` fraction of smallest-magnitude weights (per matrix, or global). In place.
+    pattern: N:M instead (the N largest of every M consecutive inputs of a row kept; sparsity 1 - N/M).
     progress: a bar over the matrices (a full sort each: tens of seconds for all of SmolLM2's)."""
+    if pattern is not None:
+        sparsity = pattern_sparsity(pattern)
+        if scope != "layer":
+            raise MLPSurgeryError("an N:M pattern is chosen per group of inputs: use scope 'layer'")
     if not 0.0 <= sparsity < 1.0:
         raise MLPSurgeryError(f"sparsity must be in [0, 1), not {sparsity}")
     if scope not in ("layer", "global"):
         raise MLPSurgeryError(f"scope must be 'layer' or 'global', not {scope!r}")
     weights = prunable_weights(model, parts, layers)
+    if pattern is not None:
+        for w in input_major(model, weights).values():
+            check_pattern(w, pattern)
     with torch.no_grad():
-        if scope == "global":
+        if pattern is not None:
+            for w in tqdm(input_major(model, weights).values(), desc="magnitude", unit="matrix",
+                          disable=not progress):
+                w.mul_(nm_keep(w.detach().abs().float(), pattern).to(w.dtype))
+        elif scope == "global":
             scores = torch.cat([w.detach().abs().flatten().float() for w in weights.values()])
             k = int(sparsity * scores.numel())
             thresh = scores.kthvalue(k).values if k > 0 else None
@@ -75,7 +95,11 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
     stage("recording the masks, counting the zeros of every matrix", progress)
     if sparsity > 0:
         _mask(model, weights)
-    return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope}
+    return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope, "pattern": _pattern_text(pattern)}
+
+
+def _pattern_text(pattern: tuple[int, int] | None) -> str | None:
+    return None if pattern is None else f"{pattern[0]}:{pattern[1]}"
 
 
 def _mask(model: nn.Module, weights: dict[str, nn.Parameter]) -> None:
@@ -93,10 +117,49 @@ def _mask(model: nn.Module, weights: dict[str, nn.Parameter]) -> None:
 # pass on the dense model.
 
 
-def wanda_mask(W: Tensor, h_diag: Tensor, sparsity: float) -> Tensor:
+def parse_pattern(text: str | None) -> tuple[int, int] | None:
+    """'2:4' -> (2, 4): N:M semi-structured sparsity, at most N nonzeros in every M consecutive inputs of a row (the
+    format NVIDIA's sparse tensor cores and inference engines serve: 2:4). None / '' -> None (unstructured)."""
+    if not text:
+        return None
+    try:
+        n, m = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise MLPSurgeryError(f"pattern {text!r} is not N:M (e.g. 2:4: two nonzeros in every four weights)") from None
+    if not 0 < n < m or m > 64:
+        raise MLPSurgeryError(f"pattern {text!r}: need 0 < N < M <= 64 (e.g. 2:4, 4:8)")
+    return n, m
+
+
+def pattern_sparsity(pattern: tuple[int, int]) -> float:
+    n, m = pattern
+    return 1 - n / m
+
+
+def check_pattern(W: Tensor, pattern: tuple[int, int]) -> None:
+    if W.shape[1] % pattern[1]:
+        raise MLPSurgeryError(f"a {tuple(W.shape)} weight has {W.shape[1]} inputs, not a multiple of {pattern[1]}: "
+                              f"{pattern[0]}:{pattern[1]} sparsity needs whole groups of {pattern[1]} inputs")
+
+
+def nm_keep(scores: Tensor, pattern: tuple[int, int]) -> Tensor:
+    """Keep-mask with the N highest scores of every M consecutive entries of each row (ties: the earlier entry)."""
+    n, m = pattern
+    rows, cols = scores.shape
+    check_pattern(scores, pattern)
+    groups = scores.reshape(rows, cols // m, m)
+    top = groups.topk(n, dim=2).indices
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(2, top, True)
+    return keep.reshape(rows, cols)
+
+
+def wanda_mask(W: Tensor, h_diag: Tensor, sparsity: float, pattern: tuple[int, int] | None = None) -> Tensor:
     """Wanda (Sun et al. 2023): keep-mask of W. Score |W_ij| * ||X_j||_2; in every output row the
-    `sparsity` fraction of lowest scores goes."""
+    `sparsity` fraction of lowest scores goes, or with an N:M `pattern` all but the N highest of every M
+    consecutive inputs (the paper's 2:4 / 4:8 variant; sparsity is then ignored)."""
     scores = W.abs() * h_diag.clamp_min(0).sqrt()[None, :]
+    if pattern is not None:
+        return nm_keep(scores, pattern)
     k = int(sparsity * W.shape[1])
     keep = torch.ones_like(W, dtype=torch.bool)
     if k > 0:
@@ -104,10 +167,17 @@ def wanda_mask(W: Tensor, h_diag: Tensor, sparsity: float) -> Tensor:
     return keep
 
 
-def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128, percdamp: float = 0.01) -> Tensor:
+def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128, percdamp: float = 0.01,
+                     pattern: tuple[int, int] | None = None) -> Tensor:
     """SparseGPT (Frantar & Alistarh 2023): W with a `sparsity` fraction of its entries zeroed and the rest
     updated to minimise ||W X - W' X||^2 (optimal brain surgeon column by column with the Cholesky factor
-    of H^-1). The mask is chosen adaptively per block of `blocksize` columns by w^2 / [H^-1]_jj^2."""
+    of H^-1). The mask is chosen adaptively per block of `blocksize` columns by w^2 / [H^-1]_jj^2; with an N:M
+    `pattern` (the paper's 2:4 / 4:8 variant) per group of M columns, on the weights as already updated by the
+    columns before the group, keeping the N highest scores of each row's group (sparsity is then ignored)."""
+    if pattern is not None:
+        check_pattern(W, pattern)
+        if blocksize % pattern[1]:
+            raise MLPSurgeryError(f"blocksize {blocksize} is not a multiple of the pattern's group {pattern[1]}")
     W = W.detach().float().clone(memory_format=torch.contiguous_format)
     H = H.detach().float().clone(memory_format=torch.contiguous_format)
     cols = W.shape[1]
@@ -122,12 +192,17 @@ def sparsegpt_matrix(W: Tensor, H: Tensor, sparsity: float, blocksize: int = 128
         Q1 = torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        scores = W1 ** 2 / torch.diag(Hinv1)[None, :] ** 2
-        k = int(scores.numel() * sparsity)
         mask1 = torch.zeros(W1.shape, dtype=torch.bool, device=W1.device)
-        if k > 0:
-            mask1.view(-1)[scores.flatten().argsort()[:k]] = True
+        if pattern is None:
+            scores = W1 ** 2 / torch.diag(Hinv1)[None, :] ** 2
+            k = int(scores.numel() * sparsity)
+            if k > 0:
+                mask1.view(-1)[scores.flatten().argsort()[:k]] = True
         for i in range(i2 - i1):
+            if pattern is not None and i % pattern[1] == 0:
+                m = pattern[1]
+                scores = W1[:, i:i + m] ** 2 / torch.diag(Hinv1)[i:i + m][None, :] ** 2
+                mask1[:, i:i + m] = ~nm_keep(scores, pattern)
             w = W1[:, i]
             q = torch.where(mask1[:, i], torch.zeros_like(w), w)
             Q1[:, i] = q
@@ -209,8 +284,10 @@ def layer_moments(model: nn.Module, data: Tensor, parts: str = "both", layers: l
 @ends_stages
 def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | dict, method: str, parts: str = "both",
                      layers: list[int] | None = None, batch_size: int = 8, sequential: bool = True,
-                     moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True) -> dict:
-    """Wanda or SparseGPT, in place. sparsity: one fraction, or {"attn": a, "ffn": f}.
+                     moments: dict[int, dict[str, Tensor]] | None = None, progress: bool = True,
+                     pattern: tuple[int, int] | None = None) -> dict:
+    """Wanda or SparseGPT, in place. sparsity: one fraction, or {"attn": a, "ffn": f}; or an N:M `pattern`
+    (2:4: two nonzeros in every four consecutive inputs of a row), which sets the sparsity to 1 - N/M.
 
     sequential (the papers' procedure): layer l's input moments are measured with the layers before it
     already pruned, one partial forward pass per layer. sequential=False measures all layers once on the
@@ -224,6 +301,10 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
                               "(--data and --calib-blocks on the command line)")
     sites = find_sites(model)
     layers = list(range(len(sites))) if layers is None else sorted(layers)
+    if pattern is not None:
+        sparsity = pattern_sparsity(pattern)
+        for w in input_major(model, prunable_weights(model, parts, layers)).values():  # all checked before any change
+            check_pattern(w, pattern)
     if moments is None and not sequential:
         moments = layer_moments(model, data, parts, layers, batch_size)
     errors: dict[int, dict[str, tuple[float, float]]] = {}
@@ -238,15 +319,16 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
             with torch.no_grad():
                 before = W.detach().float().clone()
                 if method == "wanda":
-                    W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s).to(W.dtype))
+                    W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s, pattern).to(W.dtype))
                 else:
-                    W.copy_(sparsegpt_matrix(W, h[name], s).to(W.dtype))
+                    W.copy_(sparsegpt_matrix(W, h[name], s, pattern=pattern).to(W.dtype))
                 errors[i][name] = _output_error(before, W.detach().float(), h[name].float())
     stage("recording the masks, counting the zeros of every matrix", progress)
     for part in ("attn", "ffn"):
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
             _mask(model, prunable_weights(model, part, layers))
-    report = {**_report(model, method, parts, layers, sparsity, errors), "sequential": moments is None}
+    report = {**_report(model, method, parts, layers, sparsity, errors), "sequential": moments is None,
+              "pattern": _pattern_text(pattern)}
     report["error_inputs"] = ("the calibration inputs of each projection, " + (
         "measured with the layers before it already pruned (as the method prunes)" if moments is None else
         "measured once on the dense model"))
@@ -451,22 +533,39 @@ def keep_for_sparsity(sparsity: float, blocks: int) -> int:
     return max(1, round((1 - sparsity) * blocks))
 
 
-def prune(model: nn.Module, method: str, sparsity: float, parts: str = "both", layers: list[int] | None = None,
-          data: Tensor | None = None, blocks: int = 12, seed: int = 0, progress: bool = True
-          ) -> tuple[nn.Module, dict]:
+def prune(model: nn.Module, method: str, sparsity: float | None, parts: str = "both",
+          layers: list[int] | None = None, data: Tensor | None = None, blocks: int = 12, seed: int = 0,
+          progress: bool = True, pattern: tuple[int, int] | str | None = None) -> tuple[nn.Module, dict]:
     """One baseline at one sparsity of the chosen weights. Unstructured methods (magnitude, wanda, sparsegpt)
-    zero weights in place; structured ones (fisher, random) keep round((1-sparsity) x blocks) of `blocks` MLP
-    chunks per layer (and the matching share of KV groups) and return a new, physically smaller model."""
+    zero weights in place, at `sparsity` or in an N:M `pattern` ((2, 4) or "2:4": semi-structured, sparsity
+    1 - N/M); structured ones (fisher, random) keep round((1-sparsity) x blocks) of `blocks` MLP chunks per
+    layer (and the matching share of KV groups) and return a new, physically smaller model."""
     if method not in METHODS:
         raise MLPSurgeryError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
+    if isinstance(pattern, str):
+        pattern = parse_pattern(pattern)
+    if pattern is not None:
+        if method not in ("magnitude", "wanda", "sparsegpt"):
+            raise MLPSurgeryError(f"an N:M pattern applies to magnitude, wanda and sparsegpt, not {method} "
+                                  "(which removes whole blocks)")
+        implied = pattern_sparsity(pattern)
+        if sparsity is not None and abs(sparsity - implied) > 1e-9:
+            raise MLPSurgeryError(f"pattern {pattern[0]}:{pattern[1]} is sparsity {implied:g}, not {sparsity:g}: "
+                                  "give one of the two")
+        sparsity = implied
+    if sparsity is None:
+        raise MLPSurgeryError("give a sparsity (a fraction in [0, 1)) or an N:M pattern")
+    settings = {"sparsity": sparsity, "parts": parts, "layers": layers}
+    if pattern is not None:
+        settings["pattern"] = _pattern_text(pattern)
     if method == "magnitude":
-        report = magnitude_prune(model, sparsity, parts=parts, layers=layers, progress=progress)
-        record(model, "magnitude-prune", {"sparsity": sparsity, "parts": parts, "layers": layers})
+        report = magnitude_prune(model, sparsity, parts=parts, layers=layers, progress=progress, pattern=pattern)
+        record(model, "magnitude-prune", settings)
         return model, report
     if method in ("wanda", "sparsegpt"):
-        report = calibrated_prune(model, data, sparsity, method, parts=parts, layers=layers, progress=progress)
-        record(model, f"{method}-prune", {"sparsity": sparsity, "parts": parts, "layers": layers},
-               calibration=list(data.shape))
+        report = calibrated_prune(model, data, sparsity, method, parts=parts, layers=layers, progress=progress,
+                                  pattern=pattern)
+        record(model, f"{method}-prune", settings, calibration=list(data.shape))
         return model, report
     keep = keep_for_sparsity(sparsity, blocks)
     all_layers = list(range(len(find_sites(model))))
