@@ -1,0 +1,64 @@
+"""`mlpsurgery compare`: every way to shrink the MLPs, one frontier (library: mlpsurgery.compare)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import command, draw, integer, number, progress
+from .core import MODEL_HELP
+
+
+def run_compare(args) -> dict:
+    from .. import compare as C
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else C.DEFAULT_METHODS
+    cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), data=args.data,
+                          max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
+                          calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
+                          blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                          repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
+    res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args))
+    res["plot"] = draw("frontier", lambda: C.plot(res, Path(args.out) / "frontier.png"))
+    return res
+
+
+def render_compare(r: dict) -> str:
+    from .. import compare as C
+
+    tail = [f"table: {r['out']}/frontier.md, frontier.json" + (f"; plot: {r['plot']}" if r.get("plot") else "")]
+    if r["settings"]["models"]:
+        tail.append(f"model folders: {r['out']}/models/<method>@<budget>")
+    return C.markdown(r) + "\n\n" + "\n".join(tail)
+
+
+def register(sub, groups) -> None:
+    from ..compare import ALL_METHODS, DEFAULT_METHODS
+
+    p = command(sub, "compare", run_compare, render_compare,
+                "one frontier of every way to shrink the MLPs: perplexity, parameters, FLOPs and measured prefill / "
+                "decode speed paired with the original, per method and budget (resumable)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="results folder (resumed when it holds a comparison with the same "
+                                                "settings and model)")
+    p.add_argument("--methods", help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: "
+                                     f"{', '.join(DEFAULT_METHODS)}; twist only for a TwIST-trained model)")
+    p.add_argument("--budgets", default="0.75,0.5,0.33",
+                   help="fractions of each MLP kept (width, rank FLOPs, chunks or nonzero weights); 2:4 rows are 0.5")
+    p.add_argument("--data", help="corpus: file, folder, table, austen (default: Persuasion held out) / r8")
+    p.add_argument("--max-tokens", type=integer(16), default=4096, help="held-out tokens scored per point (4096)")
+    p.add_argument("--block-len", type=integer(2), help="perplexity window (512, or the model's context if shorter)")
+    p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration / recovery blocks (16)")
+    p.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    p.add_argument("--recover-steps", type=integer(0), default=0,
+                   help="layer-wise recovery steps for every candidate (each MLP trained to the original's output on "
+                        "the calibration blocks; 0: none)")
+    p.add_argument("--recover-lr", type=number(0, 1, low_open=True), default=1e-3)
+    p.add_argument("--blocks", type=integer(2), default=12, help="MLP chunks per layer for fisher / twist (12)")
+    p.add_argument("--prompt-len", type=integer(1), default=256, help="prefill tokens timed (256)")
+    p.add_argument("--new-tokens", type=integer(1), default=32, help="decode steps timed (32)")
+    p.add_argument("--repeats", type=integer(1), default=5, help="timed repeats per model, medians (5)")
+    p.add_argument("--threads", type=integer(1), help="CPU threads while timing (default: torch's setting)")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--no-models", action="store_true", help="do not save each point as a model folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out made with other settings (only a folder mlpsurgery wrote)")

@@ -1,0 +1,89 @@
+"""`mlpsurgery compare`: one frontier of every way to shrink the MLPs, on a tiny model (real runs: docs/frontier.md).
+Every point's folder is the model that was measured (reloaded, it scores the recorded perplexity), the run resumes
+(points made are read back, new budgets added), a rerun with other settings is refused, an encoder is refused."""
+
+import json
+
+import pytest
+import torch
+
+import mlpsurgery as ms
+from mlpsurgery.cli import main
+from mlpsurgery.data import load_corpus
+from mlpsurgery.measure.perplexity import perplexity
+from mlpsurgery.measure.speed import paired_speed
+from mlpsurgery.tiny import byte_tokenizer, tiny_model
+
+SMALL = ["--max-tokens", "128", "--calib-blocks", "2", "--calib-len", "32", "--prompt-len", "16", "--new-tokens",
+         "2", "--repeats", "1", "--threads", "1"]
+
+
+def _run(args, capsys):
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_compare_builds_measures_saves_and_resumes(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods",
+                              "fusion,nsn,fisher,wanda-2:4,magnitude", "--budgets", "0.5", "--recover-steps", "2",
+                              "--json", *SMALL], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    names = sorted(f"{p['method']}@{p['budget']:g}" for p in r["points"])
+    assert names == ["fisher@0.5", "fusion@0.5", "magnitude@0.5", "nsn@0.5", "wanda-2:4@0.5"], names
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| MLP Fusion | 0.5 |" in (out / "frontier.md").read_text()
+    base = r["original"]
+    corpus = load_corpus(None, byte_tokenizer())
+    for p in r["points"]:
+        # structured points are smaller and cost fewer FLOPs; unstructured ones keep every matrix, half of the MLP zero
+        if p["method"] in ("fusion", "nsn", "fisher"):
+            assert p["params"] < base["params"] and p["flops"] < base["flops"] and p["ideal_speedup"] > 1
+        else:
+            assert p["params"] == base["params"] and p["nonzero_params"] < base["params"]
+            assert p["flops"] == base["flops"] and p["flops_nonzero"] < base["flops"]
+        assert p["recovery"]["steps"] == 2 and p["speed"]["ratio"]["prefill"] > 0
+        folder = out / "models" / f"{p['method'].replace(':', '_')}@0.5"
+        again = ms.load(folder)
+        got = perplexity(again, corpus.heldout, block_len=r["heldout"]["block_len"], max_tokens=128, progress=False,
+                         bos_id=corpus.bos).ppl
+        assert got == pytest.approx(p["ppl"], rel=1e-5), p["method"]  # the folder is the model that was measured
+    # resume: the points made are read back (their files untouched), a new budget is added
+    stamps = {f.name: f.stat().st_mtime_ns for f in (out / "points").iterdir()}
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "fusion,magnitude",
+                              "--budgets", "0.5,0.25", "--recover-steps", "2", "--json", *SMALL], capsys)
+    assert code == 0, err
+    r2 = json.loads(stdout)
+    assert sorted(f"{p['method']}@{p['budget']:g}" for p in r2["points"]) == [
+        "fusion@0.25", "fusion@0.5", "magnitude@0.25", "magnitude@0.5"]
+    assert all((out / "points" / n).stat().st_mtime_ns == t for n, t in stamps.items())
+    # other settings (here: another recovery) into the same folder: refused, nothing changed
+    before = sorted(p.name for p in (out / "points").iterdir())
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "fusion", "--budgets", "0.5",
+                         *SMALL], capsys)
+    assert code == 2 and "other settings" in err and "recover_steps" in err
+    assert sorted(p.name for p in (out / "points").iterdir()) == before
+
+
+def test_compare_refusals(tmp_path, capsys):
+    for args, needle in ((["--budgets", "0.5,1.2"], "in (0, 1)"), (["--methods", "fusion,bogus"], "unknown method"),
+                         (["--budgets", "half"], "comma-separated")):
+        code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "x"), *args], capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
+    code, _, err = _run(["compare", "tiny:bert", "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "causal language model" in err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "mine"), "--overwrite", *SMALL], capsys)
+    assert code == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+def test_paired_speed_reports_both_and_their_ratio():
+    a, b = tiny_model("llama"), tiny_model("llama")
+    r = paired_speed(a, b, prompt_len=8, new_tokens=2, repeats=2, threads=1)
+    assert set(r) >= {"reference", "candidate", "ratio"} and r["threads"] == 1
+    assert r["ratio"]["prefill"] == pytest.approx(r["reference"]["prefill_s"] / r["candidate"]["prefill_s"])
+    assert torch.get_num_threads() >= 1
