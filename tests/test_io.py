@@ -153,3 +153,17 @@ def test_export_after_in_place_resize(ids, tmp_path):
     plain = T.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert plain.config.n_inner == 24
     torch.testing.assert_close(outputs(plain.eval(), ids), ref)
+
+
+def test_a_history_with_int_keys_and_tuples_saves_and_loads(tmp_path, ids):
+    """The manifest's self-digest is of the JSON load reads back (int keys become strings, tuples lists): a method
+    that records {layer: value} must not make its own folder unloadable: sorted as ints 2 < 10, as strings "10" < "2",
+    so a digest of the in-memory dict differs from the file's (found on SmolLM2's DLR-Lock of layers 5, 15, 25)."""
+    from mlpsurgery.io import record
+
+    model = tiny_model("llama")
+    record(model, "test", {"per_layer": {2: 1.5, 10: (2, 4)}}, layers=(2, 10))
+    folder = save(model, tmp_path / "m")
+    again = load(folder)
+    assert again._mlpsurgery_history[-1]["config"]["per_layer"] == {"2": 1.5, "10": [2, 4]}
+    torch.testing.assert_close(outputs(again, ids), outputs(model, ids))

@@ -196,6 +196,8 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())
                              if p.is_file() and p.name not in (MANIFEST, files.MARKER)}
         manifest["weights_sha256"] = manifest["files"][WEIGHTS]
+        # the digest is of what load will read: JSON turns int keys into strings and tuples into lists
+        manifest = json.loads(json.dumps(manifest))
         manifest["manifest_sha256"] = _digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if tokenizer is not None:
