@@ -87,3 +87,22 @@ def test_paired_speed_reports_both_and_their_ratio():
     assert set(r) >= {"reference", "candidate", "ratio"} and r["threads"] == 1
     assert r["ratio"]["prefill"] == pytest.approx(r["reference"]["prefill_s"] / r["candidate"]["prefill_s"])
     assert torch.get_num_threads() >= 1
+
+
+def test_a_twist_trained_model_gets_its_random_subnets_on_the_frontier(tmp_path, capsys):
+    from mlpsurgery.methods.twist import TwISTConfig, twist_train
+
+    m = tiny_model("llama")
+    cfg = TwISTConfig(workers=2, blocks=4, keep=2, interval=2, steps=2, batch_size=2, lr=1e-3, shared_first=0,
+                      shared_last=0, parts="ffn")
+    twist_train(m, torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0)), cfg, progress=False)
+    folder = ms.save(m, tmp_path / "twisted", tokenizer=byte_tokenizer())
+    code, stdout, err = _run(["compare", str(folder), "--out", str(tmp_path / "cmp"), "--methods", "twist,random",
+                              "--budgets", "0.5", "--json", *SMALL], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    tw = next(p for p in r["points"] if p["method"] == "twist")
+    assert tw["blocks"] == 4 and tw["keep"] == 2 and tw["params"] < r["original"]["params"]
+    again = ms.load(tmp_path / "cmp" / "models" / "twist@0.5")
+    assert sum(p.numel() for p in again.parameters()) == tw["params"]
+    assert not r["skipped"]
