@@ -12,6 +12,8 @@ MODEL strings accepted everywhere (CLI and `load_model`):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import importlib.util
 import json
@@ -175,14 +177,47 @@ def source_record(name: str, model: nn.Module) -> dict:
     return {"name": name, "fingerprint": model_fingerprint(model)}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_DTYPE: contextvars.ContextVar = contextvars.ContextVar("mlpsurgery_dtype", default=None)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: str | torch.dtype | None):
+    """Within the block, load_model() without a dtype loads in `dtype` (the CLI's --dtype for a whole command,
+    including the models a library function loads itself, such as a locked folder to unlock)."""
+    token = _DEFAULT_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _DEFAULT_DTYPE.reset(token)
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    """None (the loader's default), 'auto' (the checkpoint's own) or a floating torch dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise MLPSurgeryError(f"dtype {dtype} is not a floating-point type; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return "auto"
+    if dtype not in DTYPES:
+        raise MLPSurgeryError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_labels: int | None = None,
-               dtype: torch.dtype = torch.float32) -> Loaded:
+               dtype: str | torch.dtype | None = None) -> Loaded:
     """Load MODEL (see module docstring) with its tokenizer, in eval mode.
 
     task: auto (the class the config's `architectures` names; else a causal LM for decoders, the bare encoder for
     BERT-likes) | causal-lm | encoder | classifier (a sequence-classification head, new and random unless the folder
     has one; give num_labels).
+    dtype: float32 | bfloat16 | float16 | auto (the checkpoint's own: config.json's dtype, a folder mlpsurgery
+    saved: the dtype it was saved in) | None: the default_dtype() in force, else float32 for stock checkpoints and
+    the saved dtype for folders mlpsurgery wrote (so that a key unlocks a bfloat16 model bit for bit in bfloat16).
+    Steps that need float32 (SVD, k-means, Hessian inverses, perplexity sums) upcast one matrix at a time.
     """
+    dtype = _dtype(dtype if dtype is not None else _DEFAULT_DTYPE.get())
     if task not in TASKS:
         raise MLPSurgeryError(f"task {task!r} is not one of {', '.join(TASKS)}")
     if num_labels is not None and num_labels < 2:
@@ -196,6 +231,8 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
             raise MLPSurgeryError(f"no tiny model {arch!r}; choose from {', '.join(ARCHITECTURES)}")
         kw = {"num_labels": num_labels} if num_labels else {}
         model = tiny_model(arch, task=task, **kw)
+        if isinstance(dtype, torch.dtype):
+            model.to(dtype)
         model._mlpsurgery_source = source_record(text, model)
         return Loaded(model, byte_tokenizer(), text)
     if text == "smollm2":
@@ -220,12 +257,14 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
                 from .io import load
 
                 model = load(path)
+                if isinstance(dtype, torch.dtype):
+                    model.to(dtype)
                 return Loaded(model, _tokenizer(path), source)
     config = read_config(folder)
     klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}
     try:
-        model = klass.from_pretrained(folder, local_files_only=True, dtype=dtype, **kw)
+        model = klass.from_pretrained(folder, local_files_only=True, dtype=dtype or torch.float32, **kw)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, EnvironmentError) as e:
         raise MLPSurgeryError(f"{folder} could not be loaded as {getattr(klass, '__name__', klass)} "
                               f"({_first_line(e)}); check that its weight files are complete and match config.json") \

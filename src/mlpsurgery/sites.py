@@ -568,7 +568,11 @@ class MLPSite:
         self.replace_mlp(module)
 
     def subblock(self, x: Tensor) -> Tensor:
-        """What the sub-block adds to x, computed by the layer's current modules. x: (..., d)."""
+        """What the sub-block adds to x, computed by the layer's current modules, in their dtype (captured float32
+        inputs meet a bfloat16 model here). x: (..., d)."""
+        p = next(self.parameters(), None)
+        if p is not None and x.dtype != p.dtype:
+            x = x.to(p.dtype)
         h = x
         if self.spec.pre_norm:
             h = self.pre_norm(h)

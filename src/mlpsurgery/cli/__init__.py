@@ -77,6 +77,10 @@ def common() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="precision the model is loaded and worked in (default: float32 for a stock checkpoint, the "
+                        "saved one for a folder mlpsurgery wrote; auto: the checkpoint's own); steps that need "
+                        "float32 upcast one matrix at a time")
     return p
 
 
@@ -213,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     command = _command_words(parser, argv)
+    from ..models import default_dtype
+
     try:
-        result = args.run(args)
+        with default_dtype(getattr(args, "dtype", None)):
+            result = args.run(args)
     except MLPSurgeryError as e:
         end_stage()
         return _fail(str(e), 2, args.json, command, getattr(e, "details", None))

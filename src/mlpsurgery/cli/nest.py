@@ -41,7 +41,7 @@ def _ranks(text: str | None) -> tuple[int, ...] | None:
 
 
 def _check_options(args, parser: argparse.ArgumentParser, form: str, allowed: set[str]) -> None:
-    common = {"json", "quiet", "device", "words", "run", "render", "nest_parser"}
+    common = {"json", "quiet", "device", "dtype", "words", "run", "render", "nest_parser"}
     for dest in sorted(set(vars(args)) - allowed - common):
         if getattr(args, dest) != parser.get_default(dest):
             flag = "--" + dest.replace("_", "-")

@@ -548,7 +548,7 @@ def module_errors(model: nn.Module, workdir: Path, layers: list[int], cfg: DLRCo
         for k in chunks:
             x, y = cap.chunk(k, [i])[i]
             x, y = x.to(dev).float(), y.to(dev).float()
-            num += float((net.full(x) - y).pow(2).sum())
+            num += float((net.full(x.to(net.D.dtype)).float() - y).pow(2).sum())  # the net as installed (its dtype)
             den += float((y - x).pow(2).sum())
         out[i] = num / max(den, 1e-30)
     return out
