@@ -49,6 +49,7 @@ LABELS = {"fusion": "MLP Fusion", "cluster": "k-means cluster", "svd": "SVD", "s
 class CompareConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     budgets: tuple[float, ...] = (0.75, 0.5, 0.33)  # fraction of the MLP kept
+    layers: str = "last2/3"  # the layers every method compresses (fusion's default; 'all', '2-27', ...)
     data: str | None = None  # corpus (default: the bundled Austen, Persuasion held out)
     max_tokens: int = 4096  # held-out tokens scored per point
     block_len: int | None = None  # perplexity window (default: 512 or the model's context)
@@ -78,7 +79,7 @@ class CompareConfig:
     def point_settings(self) -> dict:
         """What changes a point's numbers (recorded in OUT, a resume with others is refused). Methods, budgets and
         models are not among them: adding some later reuses the points already made."""
-        keep = ("data", "max_tokens", "block_len", "calib_blocks", "calib_len", "recover_steps", "recover_lr",
+        keep = ("layers", "data", "max_tokens", "block_len", "calib_blocks", "calib_len", "recover_steps", "recover_lr",
                 "blocks", "prompt_len", "new_tokens", "repeats", "threads", "seed")
         return {k: getattr(self, k) for k in keep}
 
@@ -105,10 +106,21 @@ def point_name(method: str, budget: float) -> str:
 # Building one candidate
 
 
-def _mlp_width(model: nn.Module) -> int:
+def _mlp_width(model: nn.Module, layers: list[int]) -> int:
     from .sites import find_sites
 
-    return min(s.h for s in find_sites(model).mlp)
+    sites = find_sites(model)
+    return min(sites.mlp[i].h for i in layers)
+
+
+def chosen_layers(model: nn.Module, spec: str) -> list[int]:
+    from .sites import find_sites, parse_layers
+
+    n = len(find_sites(model))
+    layers = parse_layers(spec, n, "last2/3")
+    if not layers:
+        raise MLPSurgeryError(f"--layers {spec!r} chose no layer of this {n}-layer model")
+    return layers
 
 
 def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, calib: torch.Tensor | None,
@@ -119,15 +131,17 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
     from .methods.pruning import prune
     from .methods.twist import twist_extract
 
+    layers = chosen_layers(model, cfg.layers)
     if method in FUSE_METHODS:
         m = copy.deepcopy(model)
-        width = max(1, round(budget * _mlp_width(model)))
-        fuse(m, FusionConfig(width=width, method=method, layers="all", n_init=1, seed=cfg.seed), progress=False)
+        width = max(1, round(budget * _mlp_width(model, layers)))
+        fuse(m, FusionConfig(width=width, method=method, layers=",".join(map(str, layers)), n_init=1, seed=cfg.seed),
+             progress=False)
         return m, {"width": width}
     if method == "nsn":
         if "nested" not in cache:
             nested = copy.deepcopy(model)
-            nsn.nest(nested, nsn.NSNConfig(modules="mlp"))
+            nsn.nest(nested, nsn.NSNConfig(modules="mlp", layers=",".join(map(str, layers))))
             cache["nested"] = nested
         m = copy.deepcopy(cache["nested"])
         got = nsn.set_budget(m, budget)
@@ -138,17 +152,19 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
 
         R = int(trained_settings(model).get("blocks") or cfg.blocks)
         keep = max(1, round(budget * R))
-        return twist_extract(model, keep=keep, blocks=R, parts="ffn", seed=cfg.seed), {"keep": keep, "blocks": R}
+        return (twist_extract(model, keep=keep, blocks=R, parts="ffn", layers=layers, seed=cfg.seed),
+                {"keep": keep, "blocks": R})
     if method == "fisher":
-        h = _mlp_width(model)
+        h = _mlp_width(model, layers)
         R = max(r for r in range(1, cfg.blocks + 1) if h % r == 0)  # chunks of equal width
         if R < 2:
             raise MLPSurgeryError(f"MLP width {h} does not split into 2..{cfg.blocks} equal chunks; set --blocks")
-        new, rep = prune(model, "fisher", 1 - budget, parts="ffn", data=calib, blocks=R, progress=False)
+        new, rep = prune(model, "fisher", 1 - budget, parts="ffn", layers=layers, data=calib, blocks=R,
+                         progress=False)
         return new, {"keep": rep.get("keep"), "blocks": R}
     base, _, pattern = method.partition("-")
     m = copy.deepcopy(model)
-    _, rep = prune(m, base, None if pattern else 1 - budget, parts="ffn", data=calib, progress=False,
+    _, rep = prune(m, base, None if pattern else 1 - budget, parts="ffn", layers=layers, data=calib, progress=False,
                    pattern=pattern or None)
     return m, {"sparsity": rep.get("sparsity"), "pattern": rep.get("pattern")}
 
@@ -167,9 +183,8 @@ def _zeros_in_linears(model: nn.Module) -> int:
 
 def _recover(candidate: nn.Module, capture, cfg: CompareConfig) -> dict:
     from .methods.fusion import FusionConfig, tune_layers
-    from .sites import find_sites
 
-    layers = list(range(len(find_sites(candidate))))
+    layers = chosen_layers(candidate, cfg.layers)
     tcfg = FusionConfig(tune_steps=cfg.recover_steps, tune_lr=cfg.recover_lr, seed=cfg.seed)
     return tune_layers(candidate, capture, layers, tcfg, progress=False)
 
@@ -203,6 +218,7 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
     block = cfg.block_len or default_block_len(model)
     check_context(model, block)
     check_context(model, cfg.prompt_len + cfg.new_tokens)
+    chosen_layers(model, cfg.layers)  # a bad selection is refused before any work
     twist_trained = bool(trained_settings(model))
     points, skipped = _points(cfg, twist_trained)
     settings = {**cfg.point_settings(), "model": files.model_fingerprint(model), "source": loaded.source}
@@ -247,7 +263,7 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
         from .capture import capture_mlp_io
 
         stage("capturing the original MLPs' inputs and outputs for recovery", progress)
-        capture = capture_mlp_io(model, calib, progress=progress)
+        capture = capture_mlp_io(model, calib, layers=chosen_layers(model, cfg.layers), progress=progress)
     cache: dict = {}
     rows, t_all = [], time.perf_counter()
     bar = tqdm(points, desc="compare", unit="point", disable=not progress)
@@ -317,26 +333,30 @@ def _h(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _ppl(x: float) -> str:
+    return f"{x:.2f}" if x < 1000 else f"{x:,.0f}"
+
+
 def markdown(r: dict) -> str:
     base = r["original"]
     s = r["original"]["speed"]["reference"]
-    lines = [f"Frontier of {r['model']}: held-out perplexity on {r['heldout']['tokens']} tokens of "
+    lines = [f"Frontier of {r['model']}, the MLPs of layers {r['settings']['layers']} compressed: held-out perplexity on {r['heldout']['tokens']} tokens of "
              f"{', '.join(r['heldout']['documents'] or ['the held-out split'])} (window {r['heldout']['block_len']}); "
              f"speed paired with the original in the same run ({r['machine']}; prefill of "
              f"{r['settings']['prompt_len']} tokens, {r['settings']['new_tokens']} decode steps, median of "
              f"{r['settings']['repeats']}). Original: perplexity {base['ppl']:.2f}, {_h(base['params'])} parameters, "
              f"{_h(base['flops'])} FLOPs / token, prefill {s['prefill_tok_s']:.0f} tok/s, decode "
              f"{s['decode_tok_s']:.1f} tok/s.", "",
-             "| method | MLP kept | perplexity | x original | parameters (nonzero) | FLOPs / token | prefill speed-up "
+             "| method | MLP kept | perplexity | x original | parameters | FLOPs / token | prefill speed-up "
              "| decode speed-up | FLOP-ideal | measured / ideal (prefill) | recovery |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(ALL_METHODS)}
     for p in sorted(r["points"], key=lambda p: (order.get(p["method"], 99), -p["budget"])):
         sp = p["speed"]["ratio"]
-        nz = f" ({_h(p['nonzero_params'])})" if p["nonzero_params"] != p["params"] else ""
+        nz = f" ({_h(p['nonzero_params'])} nonzero)" if p["nonzero_params"] < 0.995 * p["params"] else ""
         rec = "-" if not p.get("recovery") else f"{p['recovery'].get('steps', '?')} steps"
-        lines.append(f"| {LABELS.get(p['method'], p['method'])} | {p['budget']:g} | {p['ppl']:.2f} | "
-                     f"{p['ppl'] / base['ppl']:.2f} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
+        lines.append(f"| {LABELS.get(p['method'], p['method'])} | {p['budget']:g} | {_ppl(p['ppl'])} | "
+                     f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "
                      f"{rec} |")
     dense = [p for p in r["points"] if p["method"] in UNSTRUCTURED]

@@ -12,7 +12,7 @@ def run_compare(args) -> dict:
     from .. import compare as C
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else C.DEFAULT_METHODS
-    cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), data=args.data,
+    cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), layers=args.layers, data=args.data,
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
                           calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -44,6 +44,8 @@ def register(sub, groups) -> None:
                                      f"{', '.join(DEFAULT_METHODS)}; twist only for a TwIST-trained model)")
     p.add_argument("--budgets", default="0.75,0.5,0.33",
                    help="fractions of each MLP kept (width, rank FLOPs, chunks or nonzero weights); 2:4 rows are 0.5")
+    p.add_argument("--layers", default="last2/3",
+                   help="layers every method compresses: last2/3 (default, fusion's), all, 2-27, 0,4,8")
     p.add_argument("--data", help="corpus: file, folder, table, austen (default: Persuasion held out) / r8")
     p.add_argument("--max-tokens", type=integer(16), default=4096, help="held-out tokens scored per point (4096)")
     p.add_argument("--block-len", type=integer(2), help="perplexity window (512, or the model's context if shorter)")
