@@ -194,7 +194,7 @@ def _recover(candidate: nn.Module, capture, cfg: CompareConfig) -> dict:
 
 
 def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = None, overwrite: bool = False,
-        progress: bool = True) -> dict:
+        progress: bool = True, device: str | torch.device | None = None) -> dict:
     from tqdm.auto import tqdm
 
     from .data import load_corpus
@@ -212,6 +212,8 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
     files.check_apart(out, [model_spec, cfg.data])
     loaded = load_model(model_spec)
     model, tok = loaded.model, loaded.require_tokenizer()
+    if device is not None:
+        model.to(device)
     if not is_causal_lm(model):
         raise MLPSurgeryError(f"compare scores held-out perplexity and decode speed of a causal language model; "
                               f"{loaded.source} is not one (for an encoder use `fuse` / `prune` with `eval acc`)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import command, draw, integer, number, progress
+from . import command, device_of, draw, integer, number, progress
 from .core import MODEL_HELP
 
 
@@ -17,7 +17,7 @@ def run_compare(args) -> dict:
                           calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
-    res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args))
+    res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args), device=device_of(args))
     res["plot"] = draw("frontier", lambda: C.plot(res, Path(args.out) / "frontier.png"))
     return res
 
