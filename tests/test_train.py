@@ -62,6 +62,9 @@ def test_real_sigint_anywhere_in_a_step_resumes_exactly(tmp_path, monkeypatch, w
     (seen once in CI: "DID NOT RAISE")."""
     import signal
 
+    # Python's own Ctrl-C handler, whatever an earlier test or library installed (in a full clean-clone run this
+    # test saw a handler that swallowed the signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = FitConfig(steps=12, lr=1e-2, checkpoint_every=100)
     net_a, loss_a = problem()
     torch.manual_seed(77)
