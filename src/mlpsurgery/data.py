@@ -363,23 +363,29 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     return docs
 
 
+def backend_encode(tokenizer, text: str):
+    """The fast tokenizer's own Encoding of `text` (ids, offsets) without special tokens, truncation or padding;
+    None for a slow tokenizer. Some tokenizer.json files (all-MiniLM-L6-v2's) carry truncation and padding to 128
+    tokens, which the backend applies to every encode: they are lifted for this call, then put back."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    trunc, pad = backend.truncation, backend.padding
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        return backend.encode(text, add_special_tokens=False)
+    finally:
+        if trunc is not None:
+            backend.enable_truncation(**trunc)
+        if pad is not None:
+            backend.enable_padding(**pad)
+
+
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens, however long (no truncation, no length warning)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # Some tokenizer.json files (all-MiniLM-L6-v2's) carry truncation and padding to 128 tokens, which
-        # the backend applies to every encode: lift them for this call, then put them back.
-        trunc, pad = backend.truncation, backend.padding
-        backend.no_truncation()
-        backend.no_padding()
-        try:
-            return backend.encode(text, add_special_tokens=False).ids
-        finally:
-            if trunc is not None:
-                backend.enable_truncation(**trunc)
-            if pad is not None:
-                backend.enable_padding(**pad)
-    return tokenizer.encode(text, add_special_tokens=False)
+    enc = backend_encode(tokenizer, text)
+    return enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False)
 
 
 def default_bos(tokenizer) -> int | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import Document, default_heldout, encode, read_corpus, read_labelled
+from ..data import Document, backend_encode, default_heldout, encode, read_corpus, read_labelled
 from ..errors import MLPSurgeryError
 from ..models import check_context
 from .perplexity import is_causal_lm, perplexity
@@ -117,18 +117,9 @@ def _char_of_token(tokenizer, text: str, ids: list[int], k: int) -> int:
     """The character offset in `text` where token k starts (len(text) when k is past the end)."""
     if k >= len(ids):
         return len(text)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        trunc, pad = backend.truncation, backend.padding
-        backend.no_truncation()
-        backend.no_padding()
-        try:
-            return backend.encode(text, add_special_tokens=False).offsets[k][0]
-        finally:
-            if trunc is not None:
-                backend.enable_truncation(**trunc)
-            if pad is not None:
-                backend.enable_padding(**pad)
+    enc = backend_encode(tokenizer, text)
+    if enc is not None:
+        return enc.offsets[k][0]
     return len(tokenizer.decode(ids[:k]))  # slow tokenizers: the decoded prefix (exact for byte-level BPE)
 
 
@@ -149,12 +140,15 @@ def write_tasks(folder: str | Path, documents: list[Document] | None = None, cor
     at = Path(os.path.abspath(Path(final or folder).expanduser()))
     extra = {"cache_dir": str(cache_dir)} if cache_dir else {}
     shutil.copyfile(_bundled_r8(), folder / R8_FILE)
+
+    def local_task(name: str, data_file: str, output_type: str) -> dict:
+        """A task on one local JSONL file, named by its final absolute path (see above)."""
+        return {"task": name, "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": str(at / data_file)}, **extra},
+                "test_split": "test", "output_type": output_type}
+
     r8 = {
-        "task": R8_TASK,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(at / R8_FILE)}, **extra},
-        "test_split": "test",
-        "output_type": "multiple_choice",
+        **local_task(R8_TASK, R8_FILE, "multiple_choice"),
         "doc_to_text": R8_PROMPT,
         "doc_to_choice": list(R8_TOPICS.values()),
         "doc_to_target": "label",
@@ -173,11 +167,7 @@ def write_tasks(folder: str | Path, documents: list[Document] | None = None, cor
             for d in documents:
                 f.write(json.dumps({"name": d.name, "text": d.text}, ensure_ascii=False) + "\n")
         corpus = {
-            "task": CORPUS_TASK,
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(at / CORPUS_FILE)}, **extra},
-            "test_split": "test",
-            "output_type": "loglikelihood_rolling",
+            **local_task(CORPUS_TASK, CORPUS_FILE, "loglikelihood_rolling"),
             "doc_to_text": "",
             # the column's name, not "{{text}}": a Jinja template would drop the document's final newline
             "doc_to_target": "text",

@@ -246,12 +246,22 @@ def input_moments(model: nn.Module, data: Tensor, linears: dict[str, nn.Module],
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     if stop_after is not None:
         handles.append(sites.mlp[stop_after].exit.register_forward_hook(stop))
+    _calibration_pass(model, data, handles, batch_size)
+    return {n: sums[n] / rows[n] for n in sums}
+
+
+def _calibration_pass(model: nn.Module, data: Tensor, handles: list, batch_size: int, progress: bool = False,
+                      desc: str = "calibration") -> None:
+    """Run the calibration blocks `data` through the model in eval mode without grad, for the hooks in `handles`
+    (a forward cut short by _StopForward is expected); the hooks are removed and the mode restored after."""
+    from ..capture import _StopForward
+
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for b in range(0, len(data), batch_size):
+            for b in tqdm(range(0, len(data), batch_size), desc=desc, unit="batch", disable=not progress):
                 try:
                     model(input_ids=data[b:b + batch_size].to(device))
                 except _StopForward:
@@ -260,7 +270,6 @@ def input_moments(model: nn.Module, data: Tensor, linears: dict[str, nn.Module],
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {n: sums[n] / rows[n] for n in sums}
 
 
 def _sparsity_of(sparsity: float | dict, name: str) -> float:
@@ -507,19 +516,7 @@ def removal_errors(model: nn.Module, data: Tensor, layout, subnet, batch_size: i
         raise _StopForward
 
     handles.append(sites.mlp[last].layer.register_forward_hook(stop))  # nothing after the last layer is needed
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for b in tqdm(range(0, len(data), batch_size), desc="removal error", unit="batch", disable=not progress):
-                try:
-                    model(input_ids=data[b:b + batch_size].to(device))
-                except _StopForward:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    _calibration_pass(model, data, handles, batch_size, progress, desc="removal error")
     return {i: {n: (v[0], v[1]) for n, v in d.items()} for i, d in sums.items()}
 
 
