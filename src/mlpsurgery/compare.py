@@ -21,7 +21,7 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -64,7 +64,6 @@ class CompareConfig:
     threads: int | None = None  # CPU threads while timing (default: torch's current setting)
     seed: int = 0
     models: bool = True  # save every point as a model folder
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -130,6 +129,7 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
     from .methods.fusion import FusionConfig, fuse
     from .methods.pruning import prune
     from .methods.twist import twist_extract
+    from .methods.twist.extraction import trained_settings
 
     layers = chosen_layers(model, cfg.layers)
     if method in FUSE_METHODS:
@@ -148,8 +148,6 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
         nsn.truncate(m)  # the deployed form: only the components up to the rank are kept
         return m, {"rank": got["rank"], "mlp_flops_fraction": got["fraction"]}
     if method == "twist":  # the chunking it was trained with
-        from .methods.twist.extraction import trained_settings
-
         R = int(trained_settings(model).get("blocks") or cfg.blocks)
         keep = max(1, round(budget * R))
         return (twist_extract(model, keep=keep, blocks=R, parts="ffn", layers=layers, seed=cfg.seed),
