@@ -25,6 +25,8 @@ import torch
 from mlpsurgery.capture import open_capture
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.methods import dlr_lock as dl
+from mlpsurgery.methods.dlr_lock.captured import _CapturedSet
+from mlpsurgery.methods.dlr_lock.modulewise import _per_layer_clip
 from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
 from mlpsurgery.train import FitConfig, fit, step_rng
@@ -50,8 +52,8 @@ def main() -> None:
     if missing := sorted(set(layers) - set(cap.layers)):
         raise SystemExit(f"layers {missing} were not captured in {root} (it has {cap.layers})")
     train_chunks, val_chunks = dl.split_chunks(cap.n_chunks, dl.DLRConfig.phase1_val_fraction)  # phase 1's split
-    train = dl._CapturedSet(cap, layers, train_chunks, memory_limit_gb=8.0)
-    val = dl._CapturedSet(cap, layers, val_chunks, memory_limit_gb=8.0)
+    train = _CapturedSet(cap, layers, train_chunks, memory_limit_gb=8.0)
+    val = _CapturedSet(cap, layers, val_chunks, memory_limit_gb=8.0)
     Xv, Yv = val.all()
     sink = torch.arange(Xv.shape[1]) % args.block_len == 0
     floor = train.median_update_energy()  # the token loss's per-layer floor (the same for every recipe)
@@ -69,7 +71,7 @@ def main() -> None:
 
         t0 = time.perf_counter()
         fit(dict(net.named_parameters()), loss_fn, FitConfig(steps=steps, lr=lr, warmup=0.05, clip=1.0, log_every=50),
-            progress=True, desc=recipe, clip_fn=dl._per_layer_clip(net, 1.0))
+            progress=True, desc=recipe, clip_fn=_per_layer_clip(net, 1.0))
         seconds = time.perf_counter() - t0
         with torch.no_grad():
             pred = net(Xv)

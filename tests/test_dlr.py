@@ -3,10 +3,14 @@ import torch
 
 import mlpsurgery as ms
 import mlpsurgery.methods.dlr_lock as dl
+import mlpsurgery.methods.dlr_lock.modulewise as phase1_module
+import mlpsurgery.methods.dlr_lock.logits as phase2_module
 from conftest import outputs
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load, read_manifest, save
 from mlpsurgery.methods.dlr_lock import DLRConfig, dlr_lock, plan, topk_kl
+from mlpsurgery.methods.dlr_lock.captured import _CapturedSet
+from mlpsurgery.methods.dlr_lock.modulewise import _per_layer_clip
 from mlpsurgery.modules.dlr import DLRNet, StackedDLR, dlr_depth
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
@@ -78,9 +82,9 @@ def test_batched_layers_train_exactly_like_independent_ones():
         return loss
 
     fit(dict(stacked.named_parameters()), loss_for(stacked, [0, 1, 2]), cfg, progress=False,
-        clip_fn=dl._per_layer_clip(stacked, 1.0))
+        clip_fn=_per_layer_clip(stacked, 1.0))
     for i, s in enumerate(singles):
-        fit(dict(s.named_parameters()), loss_for(s, [i]), cfg, progress=False, clip_fn=dl._per_layer_clip(s, 1.0))
+        fit(dict(s.named_parameters()), loss_for(s, [i]), cfg, progress=False, clip_fn=_per_layer_clip(s, 1.0))
         for name in ("D", "U", "norm", "alpha"):
             torch.testing.assert_close(getattr(stacked, name)[i], getattr(s, name)[0], rtol=1e-5, atol=1e-6)
 
@@ -102,7 +106,7 @@ def test_topk_kl():
 def test_topk_kl_keeps_a_tiny_tail_in_float32():
     """A teacher whose top-k holds all but ~1e-7 of the mass: 1 - sum p cancels in float32; the log-space tail
     gives the float64 loss and the tail logits' gradient."""
-    from mlpsurgery.methods.dlr_lock import _rest_logsumexp
+    from mlpsurgery.methods.dlr_lock.losses import _rest_logsumexp
 
     g = torch.Generator().manual_seed(3)
     teacher = torch.cat([torch.full((1, 4, 8), 18.0), torch.zeros(1, 4, 40)], -1) + torch.randn(1, 4, 48, generator=g)
@@ -162,9 +166,9 @@ def test_interrupted_lock_resumes_to_the_same_model(tmp_path, monkeypatch, ids):
     a = tiny_model("qwen3")
     dlr_lock(a, blocks(), blocks(8, seed=1), cfg, tmp_path / "a", progress=False)
 
-    def interrupted_at(name: str, call: int) -> None:
-        """Run the lock into tmp_path/b with dl.<name> raising KeyboardInterrupt on its call-th call."""
-        real, calls = getattr(dl, name), {"n": 0}
+    def interrupted_at(where, name: str, call: int) -> None:
+        """Run the lock into tmp_path/b with where.<name> raising KeyboardInterrupt on its call-th call."""
+        real, calls = getattr(where, name), {"n": 0}
 
         def flaky(*args):
             calls["n"] += 1
@@ -172,13 +176,13 @@ def test_interrupted_lock_resumes_to_the_same_model(tmp_path, monkeypatch, ids):
                 raise KeyboardInterrupt
             return real(*args)
 
-        monkeypatch.setattr(dl, name, flaky)
+        monkeypatch.setattr(where, name, flaky)
         with pytest.raises(KeyboardInterrupt):
             dlr_lock(tiny_model("qwen3"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
-        monkeypatch.setattr(dl, name, real)
+        monkeypatch.setattr(where, name, real)
 
-    interrupted_at("relative_error", 17)  # killed at the 17th phase-1 step
-    interrupted_at("topk_kl", 6)  # then at the 6th phase-2 step
+    interrupted_at(phase1_module, "relative_error", 17)  # killed at the 17th phase-1 step
+    interrupted_at(phase2_module, "topk_kl", 6)  # then at the 6th phase-2 step
     b = tiny_model("qwen3")
     dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
     assert torch.equal(outputs(a, ids), outputs(b, ids))
@@ -249,7 +253,7 @@ def test_hard_sampling_draws_the_tokens_that_hold_the_update(tmp_path):
 
     model = tiny_model("llama")
     cap = capture_mlp_io(model, blocks(8), layers=[0, 1], batch_size=4, out_dir=tmp_path / "cap", progress=False)
-    data = dl._CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=1.0)
+    data = _CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=1.0)
     norms = (data.Y.float() - data.X.float()).norm(dim=-1)
     x, y = data.sample(400, step_rng(0, 0), hard_fraction=0.5)
     assert x.shape == (2, 400, model.config.hidden_size)
@@ -259,7 +263,7 @@ def test_hard_sampling_draws_the_tokens_that_hold_the_update(tmp_path):
         expected_hard = float((norms[j] ** 2).sum() / norms[j].sum())
         assert abs(float(got[j, 200:].mean()) - expected_hard) < 0.15 * expected_hard
         assert float(got[j, 200:].mean()) > float(got[j, :200].mean())
-    streamed = dl._CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=0.0)
+    streamed = _CapturedSet(cap, [0, 1], list(range(cap.n_chunks)), memory_limit_gb=0.0)
     assert not streamed.in_memory and streamed.sample(64, step_rng(0, 1), hard_fraction=0.25)[0].shape == (2, 64, 32)
 
 
@@ -365,3 +369,97 @@ def test_cli_lock_and_attack_never_delete_or_reuse_what_they_should_not(tmp_path
     capsys.readouterr()
     assert main(attack + ["--steps", "3"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_closed_form_start_begins_nearer_the_sub_block_than_the_identity(arch, tmp_path):
+    cfg = small_cfg(calib_blocks=64, phase1_steps=0, phase2_steps=0)
+    report = dlr_lock(tiny_model(arch), blocks(64), blocks(8, seed=1), cfg, tmp_path / "cf", progress=False)
+    ident = dlr_lock(tiny_model(arch), blocks(64), blocks(8, seed=1), small_cfg(
+        calib_blocks=64, phase1_steps=0, phase2_steps=0, phase1_start="identity"), tmp_path / "id", progress=False)
+    assert all(e == 1.0 for e in ident.phase1_relative_error.values())  # a = 0: exactly the identity
+    assert not ident.start_relative_error
+    for i, err in report.phase1_relative_error.items():  # held-out captured tokens, before any training step
+        assert err == pytest.approx(report.start_relative_error[i])
+        # never worse than the identity (such a layer starts at the identity); the plain GELU MLPs of random
+        # tiny models are fitted well, their gated ones much less (near-linear gates: gate x up is quadratic)
+        assert err <= 1.0 and (err < 0.6 if arch in ("gpt_neox", "opt", "bert") else True), (arch, i, err)
+    assert sum(report.phase1_relative_error.values()) < len(report.layers)  # some layer nearer than the identity
+
+
+def test_closed_form_start_fits_each_block_by_least_squares_on_the_stream_it_sees():
+    # Independent check of closed_form_start: each block's U is the ridge solution against what the blocks
+    # before it left over, computed here directly with numpy's lstsq on the augmented system.
+    import numpy as np
+
+    from mlpsurgery.methods.dlr_lock.start import closed_form_start
+    from mlpsurgery.modules.dlr import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    d, r, depth, n = 12, 3, 4, 400
+    X = torch.randn(1, n, d, generator=g)
+    Y = X + torch.tanh(X @ torch.randn(d, d, generator=g)) * 0.5
+    D = torch.randn(depth * r, d, generator=g)
+    net = StackedDLR(1, d, r, depth)
+    ridge = 1e-3
+    err = closed_form_start(net, X, Y, [D], ridge=ridge)
+    z = X[0].double()
+    for l in range(depth):
+        phi = torch.nn.functional.silu(rms_norm(z, 1e-6) @ D[l * r:(l + 1) * r].double().T)
+        lam = ridge * float((phi ** 2).sum(0).mean())
+        A = np.vstack([phi.numpy(), np.sqrt(lam) * np.eye(r)])
+        B = np.vstack([(Y[0].double() - z).numpy(), np.zeros((r, d))])
+        U = torch.from_numpy(np.linalg.lstsq(A, B, rcond=None)[0])
+        torch.testing.assert_close((net.alpha[0, l] * net.U[0, l]).double(), U.T, rtol=1e-3, atol=1e-5)
+        z = z + phi @ U
+    torch.testing.assert_close(net(X)[0].double(), z, rtol=1e-4, atol=1e-4)
+    ref = float((z - Y[0]).pow(2).sum() / (Y[0] - X[0]).pow(2).sum())
+    assert float(err[0]) == pytest.approx(ref, rel=1e-3) and ref < 0.8  # 1.0 = the identity
+
+
+def test_start_directions_are_the_mlps_own_rows_with_the_norm_scale_and_random_beyond():
+    from mlpsurgery.methods.dlr_lock.start import mlp_directions
+
+    model = tiny_model("llama")
+    site = find_sites(model).mlp[0]
+    with torch.no_grad():
+        site.pre_norm.weight.uniform_(0.5, 2.0)
+    w = site.read()
+    order = w.down.norm(dim=0).argsort(descending=True)
+    rows = mlp_directions(model, 0, 2 * w.h + 5, torch.Generator().manual_seed(0))
+    scale = site.pre_norm.weight.detach()
+    torch.testing.assert_close(rows[:w.h], w.gate[order] * scale)
+    torch.testing.assert_close(rows[w.h:2 * w.h], w.up[order] * scale)
+    extra = rows[2 * w.h:]  # more rows asked than the MLP has: random, of the rows' typical norm
+    assert extra.shape == (5, w.d) and not torch.isnan(extra).any()
+    torch.testing.assert_close(extra.norm(dim=1), torch.full((5,), float(rows[:2 * w.h].norm(dim=1).median())))
+    # a layer whose MLP has no dense form to read (a DLR-Net installed) gets random directions, not an error
+    locked = locked_like_tiny()
+    assert mlp_directions(locked, 0, 7).shape == (7, w.d)
+
+
+def locked_like_tiny():
+    from mlpsurgery.methods.dlr_lock import locked_like
+
+    return locked_like(tiny_model("llama"), rank=4)
+
+
+def test_resumed_start_is_read_back_not_recomputed(tmp_path, monkeypatch):
+    import mlpsurgery.methods.dlr_lock.modulewise as mw
+
+    cfg = small_cfg(phase1_steps=6, phase2_steps=0)
+    a = dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "w", progress=False)
+    real, calls = mw.fit, {"n": 0}
+
+    def stop(*args, **kw):  # interrupted right after the start, before any training step
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mw, "fit", stop)
+    with pytest.raises(KeyboardInterrupt):
+        dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    monkeypatch.setattr(mw, "fit", real)
+    assert (tmp_path / "b" / "phase1_start.safetensors").exists()
+    monkeypatch.setattr(mw, "closed_form_start", lambda *a, **k: pytest.fail("the start was computed again"))
+    b = dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    assert a.phase1_relative_error == b.phase1_relative_error and a.start_relative_error == b.start_relative_error

@@ -48,3 +48,25 @@ def test_minilm_probe_beats_chance(minilm):
     test = read_labelled("r8-test").sample(160, seed=0)
     r = probe_accuracy(minilm.model, minilm.tokenizer, train, test, max_len=64, progress=False)
     assert r["accuracy"] > 0.7  # chance is 1/8; the majority class is about half
+
+
+def test_smollm2_dlr_closed_form_start_is_far_nearer_than_the_identity(smollm2):
+    # DLR-Lock's closed-form start (methods/dlr_lock/start.py) on SmolLM2's layer 11 (the attention-sink layer,
+    # whose update is one massive activation) and layer 15, rank 64 / depth 36: fitted on 3,072 captured tokens,
+    # measured on 1,024 others (docs/dlr-lock.md measures 32k tokens and 4 layers with benchmarks/dlr_start.py)
+    from mlpsurgery.capture import capture_mlp_io
+    from mlpsurgery.methods.dlr_lock.start import closed_form_start, mlp_directions
+    from mlpsurgery.modules.dlr import StackedDLR
+
+    model = smollm2.model
+    blocks = load_corpus(None, smollm2.tokenizer).blocks("train", 256, max_blocks=16, seed=0)
+    cap = capture_mlp_io(model, blocks, layers=[11, 15], batch_size=4, dtype=torch.bfloat16, progress=False)
+    xy = [cap.chunk(k) for k in range(4)]
+    X = torch.stack([torch.cat([c[i][0] for c in xy]) for i in (11, 15)]).float()
+    Y = torch.stack([torch.cat([c[i][1] for c in xy]) for i in (11, 15)]).float()
+    net = StackedDLR(2, 576, 64, 36)
+    closed_form_start(net, X[:, :3072], Y[:, :3072], [mlp_directions(model, i, 36 * 64) for i in (11, 15)])
+    with torch.no_grad():
+        pred = net(X[:, 3072:])
+    err = (pred - Y[:, 3072:]).pow(2).sum((1, 2)) / (Y[:, 3072:] - X[:, 3072:]).pow(2).sum((1, 2))
+    assert err[0] < 0.3 and err[1] < 0.6, err  # 1.0 = the identity start

@@ -12,6 +12,11 @@ from . import command, device_of, draw, integer, model_name, number, stage
 from .core import MODEL_HELP
 
 
+# Distillation text of `lock dlr`: two domains (phase 2 on Austen alone made R8 news worse: docs/dlr-lock.md). The
+# R8 *test* articles, which `--second-corpus r8` scores, are not in it.
+DEFAULT_DATA = "austen+r8-train"
+
+
 def run_lock(args) -> dict:
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, remove_ours
@@ -33,6 +38,7 @@ def run_lock(args) -> dict:
                     phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
                     phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
                     phase1_loss=args.phase1_loss, phase1_hard_fraction=args.phase1_hard_fraction, compile=not args.no_compile,
+                    phase1_start=args.phase1_start, start_tokens=args.start_tokens,
                     gradient_checkpointing=not args.no_checkpointing, seed=args.seed,
                     memory_limit_gb=args.memory_gb)
     if args.depth and not args.rank:
@@ -46,8 +52,9 @@ def run_lock(args) -> dict:
     vocab = getattr(model.config, "vocab_size", None)
     if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
         raise MLPSurgeryError(f"--top-k {cfg.top_k} must be below the vocabulary size {vocab}")
-    stage(args, f"reading and tokenising {args.data or 'austen'}")
-    corpus = load_corpus(args.data, tok)
+    data = args.data or DEFAULT_DATA
+    stage(args, f"reading and tokenising {data}")
+    corpus = load_corpus(data, tok)
     calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
     if len(calib) < 2:
         raise MLPSurgeryError(f"the training split of {corpus.source} gives {len(calib)} block of {cfg.block_len} "
@@ -103,8 +110,9 @@ def render_lock(r: dict) -> str:
         if "heldout_ratio" in r:
             lines.append(f"held-out perplexity ratio locked / original: {r['heldout_ratio']:.3f}")
     p2 = rep["phase2_relative_error"]
-    errs = [{"layer": i, "phase 1": f"{e:.4f}", "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"}
-            for i, e in rep["phase1_relative_error"].items()]
+    st = rep.get("start_relative_error") or {}
+    errs = [{"layer": i, **({"start": f"{st[i]:.4f}"} if st else {}), "phase 1": f"{e:.4f}",
+             "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"} for i, e in rep["phase1_relative_error"].items()]
     lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity):", table(errs)]
     if r.get("workdir"):
         lines.append(f"work folder kept: {r['workdir']} (remove it when you no longer need to resume or rerun)")
@@ -176,7 +184,7 @@ def render_attack(r: dict) -> str:
 
 
 def register(sub, groups) -> None:
-    from ..methods.dlr_lock import PHASE1_LOSSES, DLRConfig
+    from ..methods.dlr_lock import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig
 
     p = command(groups["lock"], "dlr", run_lock, render_lock,
                 "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function")
@@ -185,11 +193,18 @@ def register(sub, groups) -> None:
     p.add_argument("--rank", type=integer(1), help="bottleneck rank r of each block (64 unless --depth is given)")
     p.add_argument("--depth", type=integer(1), help="blocks per DLR-Net (default: match the MLP's parameter count)")
     p.add_argument("--layers", default="all", help="layers to lock: all, 8-11, 0,3,5 (default all)")
-    p.add_argument("--data", help="calibration / distillation text: file, folder, austen (default), r8")
+    p.add_argument("--data", help="calibration / distillation text: file, folder, table, a bundled corpus (austen, r8, "
+                                  f"r8-train) or a mix A+B (default {DEFAULT_DATA}: the novels with Persuasion held out "
+                                  "plus the Reuters training articles, so the lock serves more than one domain)")
     p.add_argument("--block-len", type=integer(2), default=256)
     p.add_argument("--calib-blocks", type=integer(2), default=256, help="blocks captured for phase 1 (256)")
     p.add_argument("--phase1-steps", type=integer(0), default=2000)
     p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr)
+    p.add_argument("--phase1-start", default=DLRConfig.phase1_start, choices=list(PHASE1_STARTS),
+                   help="closed-form (default): set each DLR block in turn by least squares on the captured pairs, "
+                        "from the replaced MLP's own input directions, then train; identity: start at a = 0")
+    p.add_argument("--start-tokens", type=integer(1), default=DLRConfig.start_tokens,
+                   help=f"captured tokens per layer the closed-form start fits on ({DLRConfig.start_tokens})")
     p.add_argument("--phase1-tokens", type=integer(1), default=512, help="tokens per layer per phase-1 step")
     p.add_argument("--phase1-loss", default=DLRConfig.phase1_loss, choices=list(PHASE1_LOSSES),
                    help="token (default): each token's own relative error, so the tokens outside the attention sink count "

@@ -1,0 +1,243 @@
+"""The adaptive attacker (the paper's section 3.3): fine-tuning variants, LoRA, reverse distillation."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ...capture import capture_mlp_io
+from ...errors import MLPSurgeryError
+from ...io import atomic_write_text
+from ...modules.dlr import DLRNet, rms_norm
+from ...sites import find_sites
+from ...train import FitConfig, fit, step_rng
+from ...report import save_figure
+from .captured import _CapturedSet
+from .losses import relative_error
+from .logits import _dlr_modules
+
+
+@dataclass
+class ReverseResult:
+    layers: list[int]
+    steps: int
+    seconds: float
+    seconds_per_layer: float
+    relative_error: dict[int, float]
+    history: list[dict]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reverse_distill(locked: nn.Module, blocks: Tensor, layers: list[int], steps: int, lr: float = 2e-3,
+                    tokens: int = 512, workdir: str | Path | None = None, seed: int = 0,
+                    progress: bool = True) -> ReverseResult:
+    """The attacker's way back: distil each locked layer's DLR sub-block into a stock pre-norm + dense MLP of
+    the original shape (trained side by side over the chosen layers, as the defender did), on the locked
+    model's own captured (x, DLR(x)) pairs. Returns the time spent and the relative error reached; the cost of
+    unlocking the whole model is about seconds_per_layer x number of locked layers."""
+    import tempfile
+
+    from ...modules.dense import DenseMLP
+
+    sites = find_sites(locked)
+    d = sites.config.hidden_size
+    with tempfile.TemporaryDirectory() as tmp:
+        cap = capture_mlp_io(locked, blocks, layers=layers, batch_size=8, out_dir=Path(workdir or tmp) / "capture",
+                             dtype=torch.bfloat16, progress=progress)
+        data = _CapturedSet(cap, layers, list(range(cap.n_chunks)), memory_limit_gb=8.0)
+    torch.manual_seed(seed)
+    # the stock sub-block the attacker wants back: RMSNorm (learnable scale) + the original dense MLP shape
+    orig = _original_mlp_shape(locked)
+    mlps = nn.ModuleList(DenseMLP(d, orig["h"], orig["activation"], orig["gated"]) for _ in layers)
+    with torch.no_grad():
+        for m in mlps:
+            m.down.weight.zero_()  # start at the identity (relative error 1), as the defender's DLR-Nets did
+    norms = nn.Parameter(torch.ones(len(layers), d))
+
+    def forward(x: Tensor) -> Tensor:  # (n, T, d)
+        return torch.stack([x[j] + mlps[j](rms_norm(x[j], 1e-6) * norms[j]) for j in range(len(layers))])
+
+    def loss_fn(step: int):
+        x, y = data.sample(tokens, step_rng(seed, step))
+        rel = relative_error(forward(x), x, y)
+        return rel.sum(), {"relative_error": float(rel.detach().mean())}
+
+    params = {"norms": norms, **{f"mlp.{n}": p for n, p in mlps.named_parameters()}}
+    res = fit(params, loss_fn, FitConfig(steps=steps, lr=lr, warmup=0.05, clip=1.0, seed=seed, log_every=10),
+              progress=progress, desc="reverse distillation")
+    with torch.no_grad():
+        x, y = data.all()
+        rel = relative_error(forward(x), x, y)
+    return ReverseResult(layers=layers, steps=steps, seconds=res.seconds, seconds_per_layer=res.seconds / len(layers),
+                         relative_error={i: float(r) for i, r in zip(layers, rel)},
+                         history=[{k: h[k] for k in ("step", "relative_error", "time_s")} for h in res.history])
+
+
+def _original_mlp_shape(locked: nn.Module) -> dict:
+    """The MLP shape before locking, from the model's config (inner width, activation, gated or not)."""
+    cfg = locked.config
+    h = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or getattr(cfg, "ffn_dim", None) \
+        or 4 * cfg.hidden_size
+    sites = find_sites(locked)
+    gated = sites.spec.gate is not None or sites.spec.gate_up is not None
+    return {"h": h, "gated": gated, "activation": sites.mlp[0].activation}
+
+
+@dataclass
+class AttackSuiteConfig:
+    """The adaptive attacker of the paper's §3.3, run on the locked and the original model side by side."""
+
+    lrs: tuple[float, ...] = (1e-5, 1e-4, 1e-3)  # plain fine-tuning at three learning rates
+    steps: int = 40
+    batch: int = 4
+    attacks: tuple[str, ...] = ("finetune", "checkpointing", "lora", "frozen", "reverse")
+    variant_lr: float = 1e-4  # learning rate of the checkpointing / frozen variants
+    lora_rank: int = 8
+    lora_lr: float = 1e-3
+    reverse_layers: int = 2  # layers reverse-distilled for real (the cost is per layer)
+    reverse_steps: int = 200
+    eval_every: int = 10
+    seed: int = 0
+
+    def validate(self) -> None:
+        known = {"finetune", "checkpointing", "lora", "frozen", "reverse"}
+        bad = set(self.attacks) - known
+        if bad:
+            raise MLPSurgeryError(f"unknown attacks {sorted(bad)}; choose from {sorted(known)}")
+        if self.steps < 1 or self.batch < 1:
+            raise MLPSurgeryError("attack steps and batch must be >= 1")
+
+
+def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
+                 cfg: AttackSuiteConfig, out_dir: str | Path, progress: bool = True) -> dict:
+    """Run every attack on both models; each finished run is written to out_dir/<name>.json, and a rerun
+    skips what is there (an interrupted suite resumes)."""
+    from ...measure.attacks import AttackConfig, finetune_attack, freeze, lora
+
+    cfg.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = find_sites(locked).spec
+    attn_targets = [n.rpartition(".")[2] for n in ([spec.q, spec.v] if spec.q else [spec.qkv])]
+    mlp_names = {n for n, _ in _dlr_modules(locked)}
+
+    def is_dlr(name: str) -> bool:
+        return any(name.startswith(m + ".") for m in mlp_names)
+
+    def orig_mlp(name: str) -> bool:
+        return any(name.startswith(p) for p in _mlp_prefixes(original))
+
+    jobs = []  # (family, name, model, AttackConfig overrides, prepare)
+    if "finetune" in cfg.attacks:
+        for lr in cfg.lrs:
+            for who, model in (("original", original), ("locked", locked)):
+                jobs.append((f"fine-tuning lr={lr:g}", f"finetune lr={lr:g} {who}", model, dict(lr=lr), None))
+    if "checkpointing" in cfg.attacks:
+        fam = f"gradient checkpointing lr={cfg.variant_lr:g}"
+        for who, model in (("original", original), ("locked", locked)):
+            jobs.append((fam, f"checkpointing {who}", model, dict(lr=cfg.variant_lr, gradient_checkpointing=True),
+                         None))
+        jobs.append((fam, "DLR-only checkpointing locked", locked, dict(lr=cfg.variant_lr), _checkpoint_dlr))
+    if "lora" in cfg.attacks:
+        fam = f"LoRA r={cfg.lora_rank} lr={cfg.lora_lr:g}"
+        for who, model in (("original", original), ("locked", locked)):
+            jobs.append((fam, f"LoRA attention {who}", model, dict(lr=cfg.lora_lr),
+                         lora(cfg.lora_rank, target_modules=attn_targets)))
+        jobs.append((fam, "LoRA on DLR locked", locked, dict(lr=cfg.lora_lr),
+                     lora(cfg.lora_rank, target_parameters=["D", "U"])))
+    if "frozen" in cfg.attacks:
+        fam = f"MLP frozen lr={cfg.variant_lr:g}"
+        jobs.append((fam, "MLPs frozen original", original, dict(lr=cfg.variant_lr), freeze(orig_mlp)))
+        jobs.append((fam, "DLR frozen locked", locked, dict(lr=cfg.variant_lr), freeze(is_dlr)))
+
+    results = []
+    for family, name, model, kw, prepare in jobs:
+        path = out / (name.replace(" ", "_").replace("=", "") + ".json")
+        if path.exists():
+            results.append(json.loads(path.read_text()))
+            continue
+        acfg = AttackConfig(steps=cfg.steps, batch=cfg.batch, eval_every=cfg.eval_every, seed=cfg.seed, **kw)
+        res = finetune_attack(model, train_blocks, eval_blocks, acfg, name=name, prepare=prepare, progress=progress)
+        row = {**res.as_dict(), "family": family}
+        atomic_write_text(path, json.dumps(row))
+        results.append(json.loads(path.read_text()))  # as a resumed suite will read it (JSON keys and lists)
+    reverse = None
+    if "reverse" in cfg.attacks:
+        path = out / "reverse_distillation.json"
+        if path.exists():
+            reverse = json.loads(path.read_text())
+        else:
+            layers = [s.index for s in find_sites(locked).mlp if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
+            rev = reverse_distill(locked, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed, progress=progress)
+            reverse = rev.as_dict()
+            reverse["locked_layers"] = len(mlp_names)
+            reverse["estimated_seconds_all_layers"] = rev.seconds_per_layer * len(mlp_names)
+            atomic_write_text(path, json.dumps(reverse))
+            reverse = json.loads(path.read_text())
+    return {"attacks": results, "reverse": reverse, "config": asdict(cfg)}
+
+
+def _checkpoint_dlr(model: nn.Module) -> nn.Module:
+    """The adaptive attacker's checkpointing: keep each DLR-Net's input, recompute its blocks in backward."""
+    for _, m in _dlr_modules(model):
+        m.checkpoint = True
+    return model
+
+
+def _mlp_prefixes(model: nn.Module) -> list[str]:
+    path_of = {id(m): n for n, m in model.named_modules()}
+    return [path_of[id(m)] + "." for s in find_sites(model).mlp for m in s.modules() if id(m) in path_of]
+
+
+def attack_table(suite: dict) -> list[dict]:
+    """One row per attack run: cost and progress, locked beside original."""
+    rows = []
+    for r in suite["attacks"]:
+        ev = [e for e in r["eval"] if e["loss"] == e["loss"]]  # drop NaN (diverged)
+        rows.append({"attack": r["name"], "step peak MiB": r["step_peak_bytes"] / 2**20,
+                     "s / step": r["step_seconds"], "trainable": r["trainable_params"],
+                     "held-out loss start": r["eval"][0]["loss"], "held-out loss end": ev[-1]["loss"] if ev else None,
+                     "steps done": len(r["history"]), "diverged": r["diverged"],
+                     "wall-clock s": r["history"][-1]["time_s"] if r["history"] else 0.0})
+    return rows
+
+
+def plot_attack_suite(suite: dict, path: str | Path) -> None:
+    """Training loss against steps (top row) and against the attacker's wall-clock seconds (bottom row), one
+    column per attack family, locked (red) beside original (blue); dashed = DLR-specific variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families: dict[str, list[dict]] = {}
+    for r in suite["attacks"]:
+        families.setdefault(r["family"], []).append(r)
+    fig, axes = plt.subplots(2, len(families), figsize=(3.8 * len(families), 6.6), squeeze=False)
+    for j, (family, runs) in enumerate(families.items()):
+        for r in runs:
+            locked = r["name"].endswith("locked")
+            dlr_specific = "DLR" in r["name"]
+            style = dict(color="tab:red" if locked else "tab:blue", linestyle="--" if dlr_specific else "-")
+            steps = [h["step"] for h in r["history"]]
+            loss = [h["loss"] for h in r["history"]]
+            axes[0][j].plot(steps, loss, label=r["name"], **style)
+            axes[1][j].plot([h["time_s"] for h in r["history"]], loss, **style)
+            if r["diverged"] and steps:
+                axes[0][j].scatter([steps[-1]], [loss[-1]], marker="x", color="black", zorder=5)
+                axes[1][j].scatter([r["history"][-1]["time_s"]], [loss[-1]], marker="x", color="black", zorder=5)
+        axes[0][j].set_title(family, fontsize=9)
+        axes[0][j].set_xlabel("step")
+        axes[1][j].set_xlabel("attacker wall-clock (s)")
+        axes[0][j].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("training loss (nats/token)")
+    fig.suptitle("Fine-tuning attacks on the DLR-locked model (red) and the original (blue); x: diverged",
+                 fontsize=10)
+    save_figure(fig, path)

@@ -1,0 +1,86 @@
+"""The whole lock: teacher targets, phase 1, install, phase 2, the module errors, the record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ...capture import fingerprint, open_capture
+from ...io import record
+from ...modules.dlr import DLRNet
+from ...sites import find_sites
+from .captured import split_chunks
+from .config import DLRConfig, DLRReport
+from .modulewise import phase1
+from .logits import phase2, teacher_targets
+from .workdir import _finish, _stage, _stage_file
+
+
+def install(model: nn.Module, nets: dict[int, DLRNet]) -> None:
+    """Replace each listed layer's MLP sub-block by its DLR-Net (in place)."""
+    sites = find_sites(model)
+    p = next(model.parameters())
+    for i, net in nets.items():
+        sites.mlp[i].replace_subblock(net.to(device=p.device, dtype=p.dtype))
+
+
+def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg: DLRConfig, workdir: str | Path,
+             progress: bool = True, data_name: str = "", on_phase1=None) -> DLRReport:
+    """Lock `model` in place: phase 1 on `calib_blocks`, phase 2 on `phase2_blocks` (token blocks (N, T)).
+    `workdir` holds everything needed to resume; the result is recorded in the model's history.
+    on_phase1(model) is called once the phase-1 DLR-Nets are installed (e.g. to measure phase 1 alone)."""
+    cfg.validate()
+    workdir = Path(workdir)
+    model.eval()
+    device = next(model.parameters()).device
+    targets_path = workdir / "teacher.safetensors"
+    teacher = {"fingerprint": fingerprint(model, phase2_blocks, top_k=cfg.top_k)} if cfg.phase2_steps > 0 else None
+    if teacher is not None and not _stage(workdir, "teacher", teacher):
+        # the teacher is the original model: its targets are computed before the surgery
+        save_file(teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress), str(targets_path))
+        _finish(workdir, "teacher")
+    nets, report = phase1(model, calib_blocks, cfg, workdir, progress, device=device)
+    install(model, nets)
+    if on_phase1 is not None:
+        on_phase1(model)
+    if cfg.phase2_steps > 0:
+        _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], "phase1": json.loads(
+            (workdir / "phase1.stage.json").read_text())["settings"], **{k: getattr(cfg, k) for k in (
+                "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
+        targets = _stage_file(targets_path)
+        res = phase2(model, phase2_blocks, targets, cfg, workdir, progress)
+        _finish(workdir, "phase2")
+        report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
+        report.phase2_seconds = res.seconds
+        report.phase2_tokens_per_step = cfg.phase2_batch * phase2_blocks.shape[1]
+        report.phase2_relative_error = module_errors(model, workdir, report.layers, cfg)
+    record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
+           phase1_steps=cfg.phase1_steps, phase2_steps=cfg.phase2_steps,
+           phase1_relative_error=report.phase1_relative_error)
+    return report
+
+
+@torch.no_grad()
+def module_errors(model: nn.Module, workdir: Path, layers: list[int], cfg: DLRConfig) -> dict[int, float]:
+    """Relative error of each installed DLR-Net against the original sub-block on the held-out captured
+    tokens (the same tokens phase 1 reports on)."""
+    cap = open_capture(workdir / "capture")
+    _, chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
+    sites = find_sites(model)
+    out = {}
+    for i in layers:
+        net = sites.mlp[i].module
+        dev = net.D.device
+        num = den = 0.0
+        for k in chunks:
+            x, y = cap.chunk(k, [i])[i]
+            x, y = x.to(dev).float(), y.to(dev).float()
+            num += float((net.full(x.to(net.D.dtype)).float() - y).pow(2).sum())  # the net as installed (its dtype)
+            den += float((y - x).pow(2).sum())
+        out[i] = num / max(den, 1e-30)
+    return out
