@@ -282,3 +282,28 @@ def test_damaged_tables_give_documents_or_a_refusal(tmp_path, private_tmp):
                 except MLPSurgeryError as e:
                     assert "\n" not in str(e)
     assert not list(private_tmp.iterdir())
+
+
+def test_a_corpus_mix_holds_every_parts_documents_and_keeps_the_held_out_rule(tmp_path, tokenizer):
+    train = read_labelled("r8-train")
+    docs = read_corpus("austen+r8-train")
+    names = [d.name for d in docs]
+    assert names[:6] == list(AUSTEN) and names[6:] == [f"r8-train-{c}" for c in train.classes]
+    # the Reuters training articles, one document per topic, every article exactly once; none of the test ones
+    topics = {d.name: d.text.split("\n\n") for d in docs[6:]}
+    assert sum(len(a) for a in topics.values()) == len(train)
+    assert topics["r8-train-earn"][0] == train.texts[0]
+    # no test article is added, beyond the texts R8 itself has in both splits (short identical earnings reports)
+    test_articles = set(read_labelled("r8-test").texts)
+    assert test_articles & {a for arts in topics.values() for a in arts} == test_articles & set(train.texts)
+    c = tokenize_corpus(docs, tokenizer)
+    assert c.heldout_names == ["austen_persuasion"] and len(c.train_names) == 5 + 8
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "b.txt").write_text("beta " * 50)
+    assert [d.name for d in read_corpus(f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}")] == ["a", "b"]
+    with pytest.raises(MLPSurgeryError, match="twice"):
+        read_corpus(f"{tmp_path / 'a.txt'}+{tmp_path / 'a.txt'}")
+    with pytest.raises(MLPSurgeryError, match="empty part"):
+        read_corpus("austen+")
+    with pytest.raises(MLPSurgeryError, match="does not exist"):
+        read_corpus(f"austen+{tmp_path / 'missing.txt'}")

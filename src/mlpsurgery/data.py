@@ -42,7 +42,7 @@ from .errors import MLPSurgeryError
 AUSTEN = ("austen_emma", "austen_mansfieldpark", "austen_northangerabbey", "austen_prideprejudice",
           "austen_sensesensibility", "austen_persuasion")
 AUSTEN_HELDOUT = ("austen_persuasion",)
-BUNDLED_CORPORA = ("austen", "r8")
+BUNDLED_CORPORA = ("austen", "r8", "r8-train")
 BUNDLED_LABELLED = ("r8-train", "r8-test")
 
 
@@ -328,8 +328,9 @@ def _table_labelled(path: Path, text_col: str | None, label_col: str | None,
 
 
 def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> list[Document]:
-    """Documents of a corpus: None or 'austen' (bundled), 'r8' (bundled Reuters news, one document per
-    article), a text file, a folder of .txt / .txt.gz files (sorted by name), or a table (one document per row):
+    """Documents of a corpus: None or 'austen' (bundled), 'r8' (bundled Reuters news test articles, one document
+    per article), 'r8-train' (the training articles, one document per topic), A+B (a mix: both corpora's
+    documents; 'austen+r8-train' keeps Persuasion held out and trains on both), a text file, a folder of .txt / .txt.gz files (sorted by name), or a table (one document per row):
     a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv. `PATH:text=COL` (or text_col) names the
     text column; a DatasetDict with train + test (else validation) keeps its own split (Document.split)."""
     if path is None or str(path) == "austen":
@@ -337,6 +338,19 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     if str(path) == "r8":
         ds = read_labelled("r8-test")
         return [Document(f"r8-{i:04d}", t) for i, t in enumerate(ds.texts)]
+    if str(path) == "r8-train":  # the training articles, one document per topic (so that they fill whole blocks)
+        ds = read_labelled("r8-train")
+        return [Document(f"r8-train-{c}", "\n\n".join(t for t, y in zip(ds.texts, ds.labels) if y == k))
+                for k, c in enumerate(ds.classes)]
+    if "+" in str(path) and not Path(str(path)).expanduser().exists():  # a mix: every part's documents
+        docs = []
+        for part in str(path).split("+"):
+            if not part:
+                raise MLPSurgeryError(f"corpus mix {str(path)!r} has an empty part; join corpora as austen+r8-train")
+            docs += read_corpus(part, text_col=text_col)
+        if len({d.name for d in docs}) < len(docs):
+            raise MLPSurgeryError(f"corpus mix {str(path)!r} names a document twice; give each corpus once")
+        return docs
     spec, opts = split_spec(path)
     text_col = text_col or opts.get("text")  # a :label= option is for labelled sets; a corpus has no labels
     p = Path(spec).expanduser()
