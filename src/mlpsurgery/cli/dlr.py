@@ -124,8 +124,8 @@ def run_attack(args) -> dict:
 
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, write_text
-    from ..io import check_source, source_spec
-    from ..methods.dlr_lock import AttackSuiteConfig, attack_suite, attack_table, plot_attack_suite
+    from ..io import check_source, history, source_spec
+    from ..methods.dlr_lock import AttackSuiteConfig, adaptation_costs, attack_suite, attack_table, plot_attack_suite
     from ..models import check_context, load_model
 
     try:
@@ -163,11 +163,21 @@ def run_attack(args) -> dict:
                                "eval_blocks": args.eval_blocks}, inputs=[args.locked, original_spec, args.data])
     suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
     rows = attack_table(suite)
+    lock = [h for h in history(locked.model) if h.get("method") == "dlr_lock"]
+    defender = sum(h["provenance"].get("distillation_seconds", 0.0) for h in lock) or None
+    costs = adaptation_costs(suite, defender) if any(r["name"].endswith(" original") for r in suite["attacks"]) \
+        else None
+    if costs is not None:
+        write_text(out / "adaptation.json", json.dumps(costs, indent=1))
     write_text(out / "attacks.md", table(rows, markdown=True) + "\n")
     write_text(out / "suite.json", json.dumps(suite))
     plot = draw("attack", lambda: plot_attack_suite(suite, out / "attacks.png") or out / "attacks.png")
-    return {"table": rows, "reverse": suite["reverse"], "plot": plot, "out": str(out),
+    return {"table": rows, "reverse": suite["reverse"], "adaptation": costs, "plot": plot, "out": str(out),
             "locked": args.locked, "original": original_spec}
+
+
+def _seconds(v) -> str:
+    return "-" if v is None else f"{v:.0f} s"
 
 
 def render_attack(r: dict) -> str:
@@ -178,6 +188,17 @@ def render_attack(r: dict) -> str:
                      f"{rev['seconds']:.0f} s ({rev['seconds_per_layer']:.0f} s per layer; about "
                      f"{rev['estimated_seconds_all_layers']:.0f} s for all {rev['locked_layers']} locked layers), "
                      f"relative error reached {', '.join(f'{v:.3f}' for v in rev['relative_error'].values())}")
+    cost = r.get("adaptation")
+    if cost:
+        lines += ["", f"adaptation cost to reach the original's fine-tuned held-out loss {cost['target_loss']:.3f} "
+                      f"(attacker's training seconds; original: {_seconds(cost['original_seconds'])}):"]
+        lines.append(table([{"route": c["route"], "locked": _seconds(c["locked_seconds"]) if c["locked_seconds"]
+                             is not None else f"> {c['at_least']:.0f} (not reached)",
+                             "factor": "-" if c["factor"] is None else
+                             f"{'>= ' if c['factor_is_lower_bound'] else ''}{c['factor']:.2f}x"}
+                            for c in cost["routes"]]))
+        if cost["defender_seconds"]:
+            lines.append(f"defender's one-off distillation: {cost['defender_seconds']:.0f} s")
     if r.get("plot"):
         lines.append(f"plot: {r['plot']}")
     return "\n".join(lines)

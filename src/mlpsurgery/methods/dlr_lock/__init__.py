@@ -23,16 +23,18 @@ Everything intermediate lives in a work folder (capture, checkpoints, teacher ta
 resumes where it stopped and nothing finished is recomputed.
 """
 
-from .attacks import AttackSuiteConfig, ReverseResult, attack_suite, attack_table, plot_attack_suite, reverse_distill
+from .attacks import (AttackSuiteConfig, ReverseResult, adaptation_costs, attack_suite, attack_table, plot_attack_suite,
+                      reverse_distill)
 from .captured import capture_batch, split_chunks
 from .config import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig, DLRReport, plan, rank_for_depth
 from .cost import activation_memory_model, inference_times, locked_like
 from .lock import dlr_lock, install, module_errors
+from .logits import dlr_parameters, phase2, teacher_targets
 from .losses import relative_error, token_relative_error, topk_kl
 from .modulewise import phase1
-from .logits import dlr_parameters, phase2, teacher_targets
 
-__all__ = ["AttackSuiteConfig", "DLRConfig", "DLRReport", "PHASE1_LOSSES", "PHASE1_STARTS", "ReverseResult", "activation_memory_model",
-           "attack_suite", "attack_table", "capture_batch", "dlr_lock", "dlr_parameters", "inference_times", "install",
-           "locked_like", "module_errors", "phase1", "phase2", "plan", "plot_attack_suite", "rank_for_depth",
-           "relative_error", "reverse_distill", "split_chunks", "teacher_targets", "token_relative_error", "topk_kl"]
+__all__ = ["AttackSuiteConfig", "DLRConfig", "DLRReport", "PHASE1_LOSSES", "PHASE1_STARTS", "ReverseResult",
+           "activation_memory_model", "adaptation_costs", "attack_suite", "attack_table", "capture_batch", "dlr_lock",
+           "dlr_parameters", "inference_times", "install", "locked_like", "module_errors", "phase1", "phase2", "plan",
+           "plot_attack_suite", "rank_for_depth", "relative_error", "reverse_distill", "split_chunks", "teacher_targets",
+           "token_relative_error", "topk_kl"]

@@ -208,6 +208,66 @@ def attack_table(suite: dict) -> list[dict]:
     return rows
 
 
+def _first_reach(run: dict, target: float) -> float | None:
+    """The attacker's training seconds at the first held-out evaluation at or below `target` (None: never)."""
+    for e in run["eval"]:
+        if e["loss"] == e["loss"] and e["loss"] <= target:
+            return float(e["time_s"])
+    return None
+
+
+def adaptation_costs(suite: dict, defender_seconds: float | None = None, target: float | None = None) -> dict:
+    """The paper's adaptation cost (eq. 2.2, Definition 2.3 (ii)) measured in the attacker's wall-clock seconds.
+
+    target: the held-out loss to reach; default the original's fine-tuned loss (the best final held-out loss of its
+    runs). For each route, the locked model's cost is the first time one of its runs of that route got
+    to the target (None: not within the steps run, so the cost is above every second the route spent: `at_least`),
+    and the original's cost is the cheapest time any of the original's runs got there. Reverse distillation is a
+    route of its own: distil every DLR-Net back into a dense MLP (the measured seconds per layer x the locked
+    layers) and then fine-tune the dense model as the original is fine-tuned, which we credit to the attacker at
+    the original's cost (optimistic for the attacker: the distilled model is not exactly the original).
+    The amplification factor is C(locked) / C(original) for the cheapest locked route."""
+    runs = suite["attacks"]
+    originals = [r for r in runs if r["name"].endswith(" original")]
+    lockeds = [r for r in runs if r["name"].endswith(" locked")]
+    if not originals or not lockeds:
+        raise MLPSurgeryError("the adaptation cost needs attack runs on both the original and the locked model")
+    if target is None:  # the original's fine-tuned loss: the best any of its runs ended at
+        ends = [ev[-1]["loss"] for r in originals if (ev := [e for e in r["eval"] if e["loss"] == e["loss"]])]
+        if not ends:
+            raise MLPSurgeryError("no fine-tuning run of the original has a held-out evaluation to aim at")
+        target = min(ends)
+    reached = [t for t in (_first_reach(r, target) for r in originals) if t is not None]
+    c_orig = min(reached) if reached else None
+    routes: dict[str, list[dict]] = {}
+    for r in lockeds:
+        routes.setdefault(r["family"], []).append(r)
+    rows = []
+    for family, group in routes.items():
+        times = [(t, r["name"]) for r in group if (t := _first_reach(r, target)) is not None]
+        spent = max(r["history"][-1]["time_s"] if r["history"] else 0.0 for r in group)
+        best = min(times) if times else None
+        rows.append({"route": family, "run": best[1] if best else None, "locked_seconds": best[0] if best else None,
+                     "at_least": None if best else spent})
+    rev = suite.get("reverse")
+    if rev and c_orig is not None:
+        rows.append({"route": "reverse distillation of every DLR-Net, then fine-tuning as the original",
+                     "run": "reverse distillation", "locked_seconds": rev["estimated_seconds_all_layers"] + c_orig,
+                     "at_least": None})
+    for row in rows:
+        cost = row["locked_seconds"] if row["locked_seconds"] is not None else row["at_least"]
+        row["factor"] = cost / c_orig if c_orig else None
+        row["factor_is_lower_bound"] = row["locked_seconds"] is None
+    finite = [r for r in rows if r["locked_seconds"] is not None]
+    cheapest = min(finite, key=lambda r: r["locked_seconds"]) if finite else None
+    return {"target_loss": target, "original_seconds": c_orig, "routes": rows,
+            "cheapest_route": cheapest["route"] if cheapest else None,
+            "amplification": cheapest["factor"] if cheapest else None,
+            "amplification_lower_bound": None if cheapest else min((r["factor"] for r in rows if r["factor"]),
+                                                                   default=None),
+            "defender_seconds": defender_seconds}
+
+
 def plot_attack_suite(suite: dict, path: str | Path) -> None:
     """Training loss against steps (top row) and against the attacker's wall-clock seconds (bottom row), one
     column per attack family, locked (red) beside original (blue); dashed = DLR-specific variants."""

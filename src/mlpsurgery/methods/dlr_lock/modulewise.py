@@ -79,6 +79,12 @@ def _validate(net: StackedDLR, val: _CapturedSet, batch: int = 2048) -> Tensor:
     return num / den.clamp_min(1e-30)
 
 
+# A layer whose closed-form start leaves held-out error at or above this starts at the identity instead: on small
+# random models with gated MLPs the start reaches only 0.9-1.0 and training from it ends worse than from the
+# identity (tests/test_dlr.py); on SmolLM2 every layer starts below 0.6 and ends better (docs/dlr-lock.md).
+START_MAX_ERROR = 0.8
+
+
 def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _CapturedSet, cfg: DLRConfig,
            workdir: Path, report: DLRReport, progress: bool) -> None:
     """The closed-form start (start.py), computed once: a resumed phase 1 reads it from the work folder (its
@@ -97,10 +103,12 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
             closed_form_start(net, X, Y, directions, cfg.start_ridge, bar)
         del X, Y
         heldout = _validate(net, val)
-        worse = [j for j, e in enumerate(heldout.tolist()) if not e < 1.0]
-        if worse:  # never start a layer further from its sub-block than the identity is (held-out tokens)
+        worse = [j for j, e in enumerate(heldout.tolist()) if not e < START_MAX_ERROR]
+        if worse:  # a start that brings a layer little nearer than the identity: that layer starts at the identity
+            fresh = StackedDLR(net.n, net.d, net.rank, net.depth, net.eps, seed=cfg.seed)
             with torch.no_grad():
-                net.alpha[worse] = 0.0
+                for name in ("D", "U", "norm", "alpha"):
+                    getattr(net, name)[worse] = getattr(fresh, name)[worse].to(getattr(net, name).device)
             heldout[worse] = 1.0
         info = {"seconds": time.perf_counter() - t0, "heldout": {i: float(e) for i, e in zip(report.layers, heldout)},
                 "identity_layers": [report.layers[j] for j in worse]}

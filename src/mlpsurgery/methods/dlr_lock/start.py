@@ -15,12 +15,14 @@ sees (the later blocks' inputs are the earlier blocks' outputs, as at inference)
 replaced MLP's own: its gate rows then its up rows (a plain MLP: its input-layer rows), most important neuron
 first (by the norm of its output column), with the pre-norm's scale folded in; where the MLP has fewer rows than
 depth x r, or has no dense form to read, random rows of the same typical norm fill the rest. a_l carries each
-block's scale and U_l is stored at unit RMS x sqrt(1/r) (the identity start's scale), so the optimiser's steps
-on U are relative to a fixed scale whatever the fitted magnitude.
+block's scale, U_l is stored at RMS sqrt(1/r) and D_l's rows at norm 1 (the identity start's scales; the rows'
+norm goes to the block's norm weight), so the optimiser's steps are relative to a fixed scale whatever the
+fitted magnitudes.
 
-Phase 1 checks each layer's start on its held-out captured tokens and leaves a layer at the identity (a = 0) where
-the start is no nearer the sub-block than the identity (on small random models with near-linear gates, where
-SiLU features of the gate rows cannot express the gate x up product, this happens).
+Phase 1 checks each layer's start on its held-out captured tokens and starts a layer at the identity where the
+start leaves a relative error of 0.8 or more (modulewise.START_MAX_ERROR): on small random models with
+near-linear gates, where SiLU features of the gate rows cannot express the gate x up product, the start reaches
+only 0.9-1.0 and training from it ends worse than from the identity.
 
 Measured on SmolLM2 (docs/dlr-lock.md, `benchmarks/dlr_start.py`): held-out relative error 1.0 (identity) ->
 about 0.35-0.55 in about a second per layer, and lower after the same number of phase-1 steps.
@@ -91,11 +93,17 @@ def closed_form_start(net: StackedDLR, X: Tensor, Y: Tensor, directions: list[Te
             phi = nn.functional.silu(rms_norm(z, net.eps) @ D[l].T)  # (tokens, r)
             U = _ridge(phi, y - z, ridge)  # (r, d)
             z += phi @ U
+            # the same function at the identity start's parameter scales (D rows of norm 1, U of RMS 1/sqrt(r)), so
+            # that the optimiser's steps, which are about lr per entry whatever the entry's size, move a block as
+            # much as they would from the identity: the directions' norm c goes to the block's norm weight, U's
+            # size s to its ReZero scalar (a tiny model's MLP rows of norm 0.1 trained at lr 1e-2 otherwise blow up)
+            c = float(D[l].norm(dim=1).mean())
+            c = c if c > 0 else 1.0
             s = float(U.pow(2).mean().sqrt()) * math.sqrt(r)
             s = s if s > 0 else 1.0
-            net.D[j, l].copy_(D[l])
+            net.D[j, l].copy_(D[l] / c)
             net.U[j, l].copy_(U.T / s)
-            net.norm[j, l].fill_(1.0)
+            net.norm[j, l].fill_(c)
             net.alpha[j, l] = s
         errors[j] = (z - y).pow(2).sum() / (y - x).pow(2).sum().clamp_min(1e-30)
         if progress is not None:
