@@ -490,6 +490,7 @@ def test_adaptation_cost_is_the_first_time_each_route_reaches_the_originals_fine
         run("finetune lr=1e-4 locked", "ft", [(0, 6.0), (30, 4.0), (60, 3.0)], 60),
         run("finetune lr=1e-3 locked", "ft", [(0, 6.0), (25, float("nan"))], 25),  # diverged: never reaches
         run("LoRA attention locked", "lora", [(0, 6.0), (40, 5.0)], 40),  # never reaches in 40 s
+        {**run("finetune lr=1e-2 locked", "ft2", [(0, 6.0), (4, float("nan"))], 4), "diverged": True},
     ], "reverse": {"estimated_seconds_all_layers": 100.0}}
     c = dl.adaptation_costs(suite, defender_seconds=500.0)
     assert c["target_loss"] == 3.0 and c["original_seconds"] == 20  # only the lr=1e-4 run got to 3.0, at 20 s
@@ -497,6 +498,7 @@ def test_adaptation_cost_is_the_first_time_each_route_reaches_the_originals_fine
     assert routes["ft"]["locked_seconds"] == 60 and routes["ft"]["factor"] == 3.0
     assert routes["lora"]["locked_seconds"] is None and routes["lora"]["at_least"] == 40
     assert routes["lora"]["factor"] == 2.0 and routes["lora"]["factor_is_lower_bound"]
+    assert routes["ft2"]["diverged"] and routes["ft2"]["factor"] is None  # diverged: no bound at all
     rev = c["routes"][-1]
     assert rev["locked_seconds"] == 120.0 and rev["factor"] == 6.0  # 100 s to distil back + 20 s as the original
     assert c["cheapest_route"] == "ft" and c["amplification"] == 3.0 and c["defender_seconds"] == 500.0

@@ -193,7 +193,7 @@ def render_attack(r: dict) -> str:
         lines += ["", f"adaptation cost to reach the original's fine-tuned held-out loss {cost['target_loss']:.3f} "
                       f"(attacker's training seconds; original: {_seconds(cost['original_seconds'])}):"]
         lines.append(table([{"route": c["route"], "locked": _seconds(c["locked_seconds"]) if c["locked_seconds"]
-                             is not None else f"> {c['at_least']:.0f} (not reached)",
+                             is not None else "diverged" if c["diverged"] else f"> {c['at_least']:.0f} (not reached)",
                              "factor": "-" if c["factor"] is None else
                              f"{'>= ' if c['factor_is_lower_bound'] else ''}{c['factor']:.2f}x"}
                             for c in cost["routes"]]))

@@ -245,18 +245,20 @@ def adaptation_costs(suite: dict, defender_seconds: float | None = None, target:
     rows = []
     for family, group in routes.items():
         times = [(t, r["name"]) for r in group if (t := _first_reach(r, target)) is not None]
-        spent = max(r["history"][-1]["time_s"] if r["history"] else 0.0 for r in group)
+        live = [r for r in group if not r.get("diverged")]  # a diverged run bounds nothing: it will never get there
+        spent = max((r["history"][-1]["time_s"] if r["history"] else 0.0 for r in live), default=None)
         best = min(times) if times else None
         rows.append({"route": family, "run": best[1] if best else None, "locked_seconds": best[0] if best else None,
-                     "at_least": None if best else spent})
+                     "at_least": None if best else spent, "diverged": not best and not live})
     rev = suite.get("reverse")
     if rev and c_orig is not None:
         rows.append({"route": "reverse distillation of every DLR-Net, then fine-tuning as the original",
                      "run": "reverse distillation", "locked_seconds": rev["estimated_seconds_all_layers"] + c_orig,
                      "at_least": None})
     for row in rows:
+        row.setdefault("diverged", False)
         cost = row["locked_seconds"] if row["locked_seconds"] is not None else row["at_least"]
-        row["factor"] = cost / c_orig if c_orig else None
+        row["factor"] = cost / c_orig if c_orig and cost is not None else None
         row["factor_is_lower_bound"] = row["locked_seconds"] is None
     finite = [r for r in rows if r["locked_seconds"] is not None]
     cheapest = min(finite, key=lambda r: r["locked_seconds"]) if finite else None
