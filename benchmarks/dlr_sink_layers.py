@@ -26,7 +26,7 @@ from mlpsurgery.capture import open_capture
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.methods import dlr_lock as dl
 from mlpsurgery.methods.dlr_lock.captured import _CapturedSet
-from mlpsurgery.methods.dlr_lock.modulewise import _per_layer_clip
+from mlpsurgery.methods.dlr_lock.batched import _per_layer_clip
 from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
 from mlpsurgery.train import FitConfig, fit, step_rng

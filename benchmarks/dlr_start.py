@@ -27,7 +27,7 @@ import mlpsurgery as ms
 from mlpsurgery.capture import capture_mlp_io
 from mlpsurgery.methods.dlr_lock import DLRConfig, relative_error, split_chunks, token_relative_error
 from mlpsurgery.methods.dlr_lock.captured import _CapturedSet
-from mlpsurgery.methods.dlr_lock.modulewise import _compiled, _per_layer_clip, _validate
+from mlpsurgery.methods.dlr_lock.batched import _compiled, _per_layer_clip, _validate
 from mlpsurgery.methods.dlr_lock.start import closed_form_start, mlp_directions
 from mlpsurgery.modules.dlr import StackedDLR, dlr_depth
 from mlpsurgery.report import table

@@ -3,7 +3,7 @@ import torch
 
 import mlpsurgery as ms
 import mlpsurgery.methods.dlr_lock as dl
-import mlpsurgery.methods.dlr_lock.modulewise as phase1_module
+import mlpsurgery.methods.dlr_lock.batched as batched_module
 from mlpsurgery.methods.dlr_lock.modulewise import START_MAX_ERROR
 import mlpsurgery.methods.dlr_lock.logits as phase2_module
 from conftest import outputs
@@ -11,7 +11,7 @@ from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load, read_manifest, save
 from mlpsurgery.methods.dlr_lock import DLRConfig, dlr_lock, plan, topk_kl
 from mlpsurgery.methods.dlr_lock.captured import _CapturedSet
-from mlpsurgery.methods.dlr_lock.modulewise import _per_layer_clip
+from mlpsurgery.methods.dlr_lock.batched import _per_layer_clip
 from mlpsurgery.modules.dlr import DLRNet, StackedDLR, dlr_depth
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
@@ -182,7 +182,7 @@ def test_interrupted_lock_resumes_to_the_same_model(tmp_path, monkeypatch, ids):
             dlr_lock(tiny_model("qwen3"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
         monkeypatch.setattr(where, name, real)
 
-    interrupted_at(phase1_module, "relative_error", 17)  # killed at the 17th phase-1 step
+    interrupted_at(batched_module, "relative_error", 17)  # killed at the 17th phase-1 step
     interrupted_at(phase2_module, "topk_kl", 6)  # then at the 6th phase-2 step
     b = tiny_model("qwen3")
     dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
@@ -462,16 +462,16 @@ def test_resumed_start_is_read_back_not_recomputed(tmp_path, monkeypatch):
 
     cfg = small_cfg(phase1_steps=6, phase2_steps=0)
     a = dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "w", progress=False)
-    real, calls = mw.fit, {"n": 0}
+    real, calls = batched_module.fit, {"n": 0}
 
     def stop(*args, **kw):  # interrupted right after the start, before any training step
         calls["n"] += 1
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mw, "fit", stop)
+    monkeypatch.setattr(batched_module, "fit", stop)
     with pytest.raises(KeyboardInterrupt):
         dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
-    monkeypatch.setattr(mw, "fit", real)
+    monkeypatch.setattr(batched_module, "fit", real)
     assert (tmp_path / "b" / "phase1_start.safetensors").exists()
     monkeypatch.setattr(mw, "closed_form_start", lambda *a, **k: pytest.fail("the start was computed again"))
     b = dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
@@ -504,3 +504,91 @@ def test_adaptation_cost_is_the_first_time_each_route_reaches_the_originals_fine
     assert c["cheapest_route"] == "ft" and c["amplification"] == 3.0 and c["defender_seconds"] == 500.0
     with pytest.raises(MLPSurgeryError, match="both"):
         dl.adaptation_costs({"attacks": suite["attacks"][2:], "reverse": None})
+
+
+def _perturbed_nets(model, seed=0):
+    """A StackedDLR for every layer of `model` with non-zero blocks (so each student changes the stream)."""
+    layers, depth, _ = plan(model, DLRConfig(rank=4))
+    net = StackedDLR(len(layers), find_sites(model).config.hidden_size, 4, depth, seed=seed)
+    with torch.no_grad():
+        net.alpha.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(seed))
+    return layers, net
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "bert"])
+def test_onpolicy_pairs_are_what_the_earlier_students_produce_and_the_originals_answer(arch, tmp_path):
+    from mlpsurgery.methods.dlr_lock.lock import install
+    from mlpsurgery.methods.dlr_lock.onpolicy import capture_onpolicy
+    import copy
+
+    model = tiny_model(arch).eval()
+    ids = blocks(4, 16)
+    before = outputs(model, ids)
+    layers, net = _perturbed_nets(model)
+    cap = capture_onpolicy(model, ids, net, layers, tmp_path / "cap", torch.float32, progress=False)
+    assert torch.equal(outputs(model, ids), before)  # the original model is left as it was
+    # The students installed for real: each layer's input is what the installed students before it produced
+    student = copy.deepcopy(model)
+    install(student, {i: net.unstack(j) for j, i in enumerate(layers)})
+    seen = ms.capture_mlp_io(student, ids, layers=layers, batch_size=2, progress=False)
+    sites = find_sites(model)
+    for i in layers:
+        x_on, y_on = torch.cat([cap.chunk(k, [i])[i][0] for k in range(cap.n_chunks)]), \
+            torch.cat([cap.chunk(k, [i])[i][1] for k in range(cap.n_chunks)])
+        x_student = torch.cat([seen.chunk(k, [i])[i][0] for k in range(seen.n_chunks)])
+        torch.testing.assert_close(x_on, x_student, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # the target: the original sub-block on that input
+            torch.testing.assert_close(y_on, x_on + sites.mlp[i].subblock(x_on), rtol=1e-4, atol=1e-5)
+    # and beyond the first layer the inputs differ from the original model's (else the test would show nothing)
+    teacher = ms.capture_mlp_io(model, ids, layers=layers, batch_size=2, progress=False)
+    last = layers[-1]
+    assert not torch.allclose(teacher.chunk(0, [last])[last][0], cap.chunk(0, [last])[last][0], atol=1e-3)
+
+
+def test_onpolicy_steps_lower_the_error_on_the_students_inputs_and_resume_exactly(tmp_path, monkeypatch, ids):
+    cfg = small_cfg(phase1_steps=20, phase2_steps=0, onpolicy_steps=30, onpolicy_mix=0.5, onpolicy_lr=3e-3)
+    a = tiny_model("llama")
+    rep = dlr_lock(a, blocks(), blocks(8, seed=1), cfg, tmp_path / "a", progress=False)
+    before, after = rep.onpolicy_start_error, rep.onpolicy_relative_error
+    assert set(before) == set(after) == set(rep.layers) and rep.onpolicy_seconds > 0
+    assert sum(after.values()) < sum(before.values())
+    assert len(rep.onpolicy_history) >= 2
+    from mlpsurgery.io import history
+    assert history(a)[-1]["provenance"]["distillation_seconds"] >= rep.onpolicy_seconds
+    # killed at the 9th on-policy step (the 29th step in all), then resumed: the same model
+    real, calls = batched_module.relative_error, {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 29:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(batched_module, "relative_error", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    monkeypatch.setattr(batched_module, "relative_error", real)
+    b = tiny_model("llama")
+    rep_b = dlr_lock(b, blocks(), blocks(8, seed=1), cfg, tmp_path / "b", progress=False)
+    assert torch.equal(outputs(a, ids), outputs(b, ids))
+    assert rep_b.onpolicy_start_error == before
+    # another mix on the same work folder is refused, not mixed into the finished stage
+    with pytest.raises(MLPSurgeryError, match="other settings"):
+        dlr_lock(tiny_model("llama"), blocks(), blocks(8, seed=1), small_cfg(
+            phase1_steps=20, phase2_steps=0, onpolicy_steps=30, onpolicy_mix=1.0), tmp_path / "b", progress=False)
+
+
+def test_onpolicy_mix_draws_its_share_from_each_set():
+    from mlpsurgery.methods.dlr_lock.onpolicy import mixed_sampler
+
+    class Fixed:  # a captured set whose every token is `value`
+        def __init__(self, value):
+            self.value = value
+
+        def sample(self, n, g, hard=0.0):
+            return torch.full((2, n, 3), self.value), torch.full((2, n, 3), self.value)
+
+    x, _ = mixed_sampler(Fixed(0.0), Fixed(1.0), 0.25, 0.0)(8, torch.Generator())
+    assert x.shape == (2, 8, 3) and int(x[0, :, 0].sum()) == 2
+    x, _ = mixed_sampler(Fixed(0.0), Fixed(1.0), 0.0, 0.0)(8, torch.Generator())
+    assert float(x.sum()) == 0.0

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -112,11 +113,15 @@ def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
 
 def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = None, batch_size: int = 8,
                    out_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                   progress: bool = True, device: torch.device | str | None = None) -> Capture:
+                   progress: bool = True, device: torch.device | str | None = None,
+                   replace: dict[int, Callable[[Tensor], Tensor]] | None = None, tag: str = "") -> Capture:
     """Capture (x, y) of the chosen layers' MLP sub-blocks over `blocks` (N, T) of token ids.
 
     out_dir: None keeps chunks in memory; a folder writes one safetensors file per batch (resumable).
     dtype: storage precision (bfloat16 halves the disk; the forward itself runs in the model's dtype).
+    replace: {layer: fn} runs a student in the stream: y is still the sub-block's own output on the x it sees, but
+    what flows on is x + fn(x) (fn: float32 (tokens, d) -> delta), so later layers see the inputs the students
+    before them produce (on-policy pairs). tag names the students in the resume fingerprint (e.g. their digest).
     """
     sites = find_sites(model)
     layers = list(range(len(sites))) if layers is None else sorted(set(layers))
@@ -132,7 +137,7 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         root = Path(out_dir)
         root.mkdir(parents=True, exist_ok=True)
         cap.root = root
-        fp = fingerprint(model, blocks, layers=layers, dtype=dtype)
+        fp = fingerprint(model, blocks, layers=layers, dtype=dtype, **({"students": tag} if replace else {}))
         meta_path = root / "capture.json"
         if meta_path.exists():
             try:
@@ -164,6 +169,9 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
             store[f"x.{i}"] = x.to(dtype=dtype, device="cpu").contiguous()
             if i == last:
                 raise _StopForward
+            if replace and i in replace:
+                student = replace[i](x.float()).to(delta.dtype).reshape(delta.shape)
+                return (student, *out[1:]) if isinstance(out, tuple) else student
         return hook
 
     handles = []

@@ -39,6 +39,7 @@ def run_lock(args) -> dict:
                     phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
                     phase1_loss=args.phase1_loss, phase1_hard_fraction=args.phase1_hard_fraction, compile=not args.no_compile,
                     phase1_start=args.phase1_start, start_tokens=args.start_tokens,
+                    onpolicy_steps=args.onpolicy_steps, onpolicy_mix=args.onpolicy_mix, onpolicy_lr=args.onpolicy_lr,
                     gradient_checkpointing=not args.no_checkpointing, seed=args.seed,
                     memory_limit_gb=args.memory_gb)
     if args.depth and not args.rank:
@@ -111,9 +112,12 @@ def render_lock(r: dict) -> str:
             lines.append(f"held-out perplexity ratio locked / original: {r['heldout_ratio']:.3f}")
     p2 = rep["phase2_relative_error"]
     st = rep.get("start_relative_error") or {}
+    ob, oa = rep.get("onpolicy_start_error") or {}, rep.get("onpolicy_relative_error") or {}
     errs = [{"layer": i, **({"start": f"{st[i]:.4f}"} if st else {}), "phase 1": f"{e:.4f}",
+             **({"on-policy before": f"{ob[i]:.4f}", "on-policy after": f"{oa[i]:.4f}"} if oa else {}),
              "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"} for i, e in rep["phase1_relative_error"].items()]
-    lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity):", table(errs)]
+    lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity"
+              + ("; on-policy: on the inputs the phase-1 nets produce" if oa else "") + "):", table(errs)]
     if r.get("workdir"):
         lines.append(f"work folder kept: {r['workdir']} (remove it when you no longer need to resume or rerun)")
     return "\n".join(lines)
@@ -234,6 +238,13 @@ def register(sub, groups) -> None:
     p.add_argument("--phase1-hard-fraction", type=number(0, 1, low_open=False, high_open=True), default=DLRConfig.phase1_hard_fraction,
                    help="share of each phase-1 batch drawn in proportion to the token's update norm "
                         f"(default {DLRConfig.phase1_hard_fraction}; 0: uniform, the paper's)")
+    p.add_argument("--onpolicy-steps", type=integer(0), default=None,
+                   help="after phase 1, this many more steps on batches that mix in the inputs the installed phase-1 "
+                        "nets produce (one more capture pass; default: a third of --phase1-steps; 0: off)")
+    p.add_argument("--onpolicy-mix", type=number(0, 1, low_open=False), default=DLRConfig.onpolicy_mix,
+                   help=f"share of each on-policy batch from the on-policy pairs, the rest phase 1's ({DLRConfig.onpolicy_mix})")
+    p.add_argument("--onpolicy-lr", type=number(0), default=DLRConfig.onpolicy_lr,
+                   help=f"peak learning rate of the on-policy steps ({DLRConfig.onpolicy_lr})")
     p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
     p.add_argument("--phase2-steps", type=integer(0), default=200)
     p.add_argument("--phase2-lr", type=number(0), default=1e-4)
@@ -242,7 +253,8 @@ def register(sub, groups) -> None:
     p.add_argument("--top-k", type=integer(1), default=32)
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
     p.add_argument("--memory-gb", type=number(0), default=8.0,
-                   help="hold captured activations in RAM up to this size, else stream them from disk (8)")
+                   help="hold a set of captured activations in RAM up to this size, else stream it from disk (8; "
+                        "with --onpolicy-steps there are two such sets, phase 1's and the on-policy one)")
     p.add_argument("--eval-tokens", type=integer(0), default=8192,
                    help="held-out tokens scored after each stage (0: no evaluation)")
     p.add_argument("--second-corpus", default="r8", help="a second, different corpus to score (default: r8 news)")

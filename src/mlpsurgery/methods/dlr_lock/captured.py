@@ -31,8 +31,8 @@ class _CapturedSet:
         self.cap, self.layers, self.chunks = cap, layers, chunks
         sizes = [cap.tokens_per_chunk[k] for k in chunks]
         self.n = sum(sizes)
-        nbytes = 2 * len(layers) * self.n * cap.d * 2
-        self.in_memory = nbytes <= memory_limit_gb * 2**30
+        self.nbytes = 2 * len(layers) * self.n * cap.d * 2
+        self.in_memory = self.nbytes <= memory_limit_gb * 2**30
         self._norms: Tensor | None = None  # (n_layers, N) update norms, for hard sampling in memory
         if self.in_memory:
             self.X, self.Y = self._read(chunks)

@@ -40,6 +40,12 @@ class DLRConfig:
     # attention-sink layers); phase1_loss="relative", phase1_hard_fraction=0 is the paper's.
     phase1_hard_fraction: float = 0.125  # share of each phase-1 batch drawn in proportion to ||y_t - x_t|| (rest uniform)
     phase1_loss: str = "token"  # relative: sum_t ||e_t||^2 / sum_t ||y_t - x_t||^2 | token: see token_relative_error
+    # On-policy continuation (onpolicy.py): steps on batches whose onpolicy_mix share comes from the inputs the
+    # installed phase-1 nets produce; None: a third of phase1_steps (the measured 300 after 900: ratio 3.50 -> 3.10
+    # against as many steps on the teacher's inputs, docs/dlr-lock.md); 0 skips it
+    onpolicy_steps: int | None = None
+    onpolicy_mix: float = 0.5
+    onpolicy_lr: float = 3e-3
     compile: bool = True  # torch.compile phase 1's batched network (2.6x faster on one CPU thread); eager if it fails
     phase2_steps: int = 200
     phase2_lr: float = 1e-4
@@ -48,7 +54,12 @@ class DLRConfig:
     top_k: int = 32
     gradient_checkpointing: bool = True  # phase 2 recomputes each DLR-Net's blocks instead of storing them
     seed: int = 0
-    memory_limit_gb: float = 8.0  # load the captured set into RAM when it fits, else read chunks per step
+    memory_limit_gb: float = 8.0  # load a captured set into RAM when it fits, else read chunks per step (per set)
+
+    @property
+    def onpolicy_count(self) -> int:
+        """The on-policy steps this run takes (onpolicy_steps, or a third of phase1_steps when it is None)."""
+        return self.phase1_steps // 3 if self.onpolicy_steps is None else self.onpolicy_steps
 
     def validate(self) -> None:
         if self.calib_blocks < 2:
@@ -70,7 +81,10 @@ class DLRConfig:
             raise MLPSurgeryError(f"DLR-Lock: phase1-loss must be one of {', '.join(PHASE1_LOSSES)}, not {self.phase1_loss!r}")
         if not 0.0 <= self.phase1_hard_fraction < 1.0:
             raise MLPSurgeryError(f"DLR-Lock: phase1-hard-fraction must be in [0, 1), not {self.phase1_hard_fraction}")
-        if self.phase1_steps < 0 or self.phase2_steps < 0:
+        if not 0.0 <= self.onpolicy_mix <= 1.0 or not self.onpolicy_lr > 0:
+            raise MLPSurgeryError(f"DLR-Lock: onpolicy-mix must be in [0, 1] and onpolicy-lr > 0, not "
+                                  f"{self.onpolicy_mix} / {self.onpolicy_lr}")
+        if self.phase1_steps < 0 or self.phase2_steps < 0 or (self.onpolicy_steps or 0) < 0:
             raise MLPSurgeryError("DLR-Lock: step counts must be >= 0")
 
 
@@ -86,6 +100,10 @@ class DLRReport:
     start_identity_layers: list[int] = field(default_factory=list)  # layers the start left at the identity (it was worse)
     phase1_relative_error: dict[int, float] = field(default_factory=dict)  # per layer, on held-out captured tokens
     phase2_relative_error: dict[int, float] = field(default_factory=dict)  # same tokens, after phase 2
+    onpolicy_start_error: dict[int, float] = field(default_factory=dict)  # phase-1 nets on held-out on-policy pairs
+    onpolicy_relative_error: dict[int, float] = field(default_factory=dict)  # after the on-policy steps, same pairs
+    onpolicy_seconds: float = 0.0  # its capture and training
+    onpolicy_history: list[dict] = field(default_factory=list)
     phase1_seconds: float = 0.0
     phase2_seconds: float = 0.0
     phase1_history: list[dict] = field(default_factory=list)

@@ -49,9 +49,11 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
     if on_phase1 is not None:
         on_phase1(model)
     if cfg.phase2_steps > 0:
-        _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], "phase1": json.loads(
-            (workdir / "phase1.stage.json").read_text())["settings"], **{k: getattr(cfg, k) for k in (
-                "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
+        before = {"phase1": json.loads((workdir / "phase1.stage.json").read_text())["settings"]}
+        if cfg.onpolicy_count > 0:  # (absent otherwise, so work folders from before the option still resume)
+            before["onpolicy"] = json.loads((workdir / "onpolicy.stage.json").read_text())["settings"]
+        _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], **before, **{k: getattr(cfg, k) for k in (
+            "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
         targets = _stage_file(targets_path)
         res = phase2(model, phase2_blocks, targets, cfg, workdir, progress)
         _finish(workdir, "phase2")
@@ -63,7 +65,8 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
            phase1_steps=cfg.phase1_steps, phase2_steps=cfg.phase2_steps,
            phase1_relative_error=report.phase1_relative_error,
            # the defender's one-off cost, beside which `attack dlr` sets the attacker's (capture and teacher excluded)
-           distillation_seconds=report.start_seconds + report.phase1_seconds + report.phase2_seconds)
+           distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds
+           + report.phase2_seconds)
     return report
 
 

@@ -16,67 +16,12 @@ from ...capture import capture_mlp_io
 from ...io import atomic_write_text
 from ...modules.dlr import DLRNet, StackedDLR
 from ...sites import find_sites
-from ...train import FitConfig, fit, step_rng
+from .batched import _compiled, _validate, history, train_batched
 from .captured import _CapturedSet, capture_batch, split_chunks
 from .config import DLRConfig, DLRReport, plan
-from .losses import relative_error, token_relative_error
+from .onpolicy import onpolicy
 from .start import closed_form_start, mlp_directions
 from .workdir import _finish, _stage, _stage_file
-
-
-def _compiled(net: nn.Module):
-    """net's forward through torch.compile (fuses the element-wise RMSNorm / SiLU / residual work between the
-    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/dlr_phase1_step.py), or net itself where
-    compilation is unavailable (no C compiler, unsupported platform): the math is the same."""
-    try:
-        fn = torch.compile(net)
-    except Exception as exc:  # noqa: BLE001 - any failure to set up compilation falls back to eager
-        import warnings
-
-        warnings.warn(f"torch.compile unavailable ({exc}); phase 1 runs eagerly")
-        return net
-    state = {"fn": fn}
-
-    def forward(x: Tensor) -> Tensor:
-        try:
-            return state["fn"](x)
-        except Exception as exc:  # noqa: BLE001 - a backend failure at first call (e.g. no C compiler)
-            if state["fn"] is net:
-                raise
-            import warnings
-
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); phase 1 runs eagerly")
-            state["fn"] = net
-            return net(x)
-
-    return forward
-
-
-def _per_layer_clip(net: StackedDLR, max_norm: float):
-    """Clip each layer's gradient norm separately: batched training equals independent training."""
-
-    def clip() -> float:
-        grads = [p.grad for p in net.parameters() if p.grad is not None]
-        norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads))  # (n_layers,)
-        scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
-        return float(norms.max())
-
-    return clip
-
-
-@torch.no_grad()
-def _validate(net: StackedDLR, val: _CapturedSet, batch: int = 2048) -> Tensor:
-    X, Y = val.all()
-    num = torch.zeros(net.n)
-    den = torch.zeros(net.n)
-    dev = net.D.device
-    for s in range(0, X.shape[1], batch):
-        x, y = X[:, s:s + batch].to(dev), Y[:, s:s + batch].to(dev)
-        num += (net(x) - y).pow(2).sum((1, 2)).cpu()
-        den += (y - x).pow(2).sum((1, 2)).cpu()
-    return num / den.clamp_min(1e-30)
 
 
 # A layer whose closed-form start leaves held-out error at or above this starts at the identity instead: on small
@@ -123,7 +68,9 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
 
 def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, progress: bool = True,
            device: str | torch.device = "cpu") -> tuple[dict[int, DLRNet], DLRReport]:
-    """Capture and module-wise distillation. Returns layer -> trained DLRNet and the report."""
+    """Capture and module-wise distillation (the closed-form start, the steps on the original model's inputs, then
+    the on-policy steps of onpolicy.py unless cfg.onpolicy_count is 0). Returns layer -> trained DLRNet and the
+    report."""
     layers, depth, budget = plan(model, cfg)
     d = find_sites(model).config.hidden_size
     dtype = getattr(torch, cfg.capture_dtype)
@@ -160,22 +107,10 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
         if cfg.phase1_start == "closed-form":
             _start(model, net, train, val, cfg, workdir, report, progress)
         floor = train.median_update_energy().to(device) if cfg.phase1_loss == "token" else None
-
-        def loss_fn(step: int):
-            x, y = train.sample(cfg.phase1_tokens, step_rng(cfg.seed, step), cfg.phase1_hard_fraction)
-            x, y = x.to(device), y.to(device)
-            pred = forward(x)
-            rel = relative_error(pred, x, y)
-            loss = rel if floor is None else token_relative_error(pred, x, y, floor)
-            return loss.sum(), {"relative_error": float(rel.detach().mean()), "loss": float(loss.detach().mean())}
-
-        fcfg = FitConfig(steps=cfg.phase1_steps, lr=cfg.phase1_lr, weight_decay=cfg.phase1_weight_decay,
-                         warmup=0.05, clip=1.0, seed=cfg.seed, log_every=10,
-                         checkpoint_every=max(50, cfg.phase1_steps // 20))
-        res = fit(dict(net.named_parameters()), loss_fn, fcfg, checkpoint_dir=workdir / "phase1_ckpt",
-                  progress=progress, desc="DLR phase 1 (all layers)", clip_fn=_per_layer_clip(net, 1.0))
-        report.phase1_history = [{k: h[k] for k in ("step", "relative_error", "loss", "time_s") if k in h}
-                                 for h in res.history]
+        res = train_batched(net, forward, lambda n, g: train.sample(n, g, cfg.phase1_hard_fraction), floor,
+                            cfg.phase1_steps, cfg.phase1_lr, cfg.phase1_weight_decay, cfg.seed, cfg.phase1_tokens,
+                            workdir / "phase1_ckpt", "DLR phase 1 (all layers)", progress)
+        report.phase1_history = history(res)
         report.phase1_seconds = res.seconds
         save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(done))
         atomic_write_text(workdir / "phase1.json", json.dumps({
@@ -183,6 +118,8 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
             "start_relative_error": report.start_relative_error,
             "start_identity_layers": report.start_identity_layers}))
         _finish(workdir, "phase1")
+    if cfg.onpolicy_count > 0:
+        onpolicy(model, blocks, net, forward, train, val, cfg, workdir, settings, report, progress)
     rel = _validate(net, val)
     report.phase1_relative_error = {i: float(r) for i, r in zip(layers, rel)}
     nets = {i: net.unstack(j) for j, i in enumerate(layers)}
