@@ -177,7 +177,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             cost = compare_cost(model, d, batch, repeats=1, warmup=0)
             factor = cost["ratio"]["step_peak_bytes"]
             rows.append({"method": "DLR-Lock", "what": f"MLPs of layers {chosen} -> DLR-Nets (rank 16, depth {rep.depth}), "
-                         "60 phase-1 steps", "params": params(d), "ppl": ppl(d),
+                         f"{cfg.phase1_steps} phase-1 steps + {cfg.onpolicy_count} on-policy", "params": params(d), "ppl": ppl(d),
                          "note": f"training-step peak memory {factor:.2f}x the original's (batch 2 x 128)",
                          "folder": save(d, work / "dlr", tokenizer=tok)})
             del d
