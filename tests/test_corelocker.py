@@ -173,6 +173,37 @@ def test_l1_takes_exactly_the_largest_weights():
         assert m.flatten()[key.positions[n]].abs().min() >= m.abs().flatten().topk(kk).values[-1]
 
 
+@pytest.mark.parametrize("case", ["ties", "signed", "one_group"])
+def test_streaming_global_ranking_is_the_exact_top_k_with_ties_in_group_then_position_order(case, monkeypatch):
+    # Reference: a full sort of all scores, descending, stable over (group, position) order, so equal scores keep
+    # that order. The streaming select (2 histogram passes + 1 collect pass over slices) must give the same list.
+    import mlpsurgery.methods.corelocker.ranking as rk
+    from mlpsurgery.methods.corelocker.units import UnitGroup
+
+    monkeypatch.setattr(rk, "_SLICE", 37)  # slices cut across groups' ties and histogram bins
+    g = torch.Generator().manual_seed(0)
+    sizes = [2000] if case == "one_group" else [300, 5, 1000, 64]
+    vals = [torch.randn(n, generator=g) for n in sizes]
+    if case == "ties":  # bfloat16-rounded |w|: many exactly equal scores, and a block of zeros
+        vals = [v.abs().bfloat16().float() for v in vals]
+        vals[2][:200] = 0.0
+    if case == "signed":
+        vals = [v * 1e3 for v in vals]
+        vals[0][:3] = torch.tensor([-0.0, 0.0, float("inf")])
+    groups = [UnitGroup(f"g{i}", (lambda v=v: v), None, size=len(v)) for i, v in enumerate(vals)]
+    every = torch.cat(vals)
+    gid_all = torch.cat([torch.full((len(v),), i) for i, v in enumerate(vals)])
+    uid_all = torch.cat([torch.arange(len(v)) for v in vals])
+    perm = torch.sort(every, descending=True, stable=True).indices
+    for k in (1, 7, 37, 200, len(every) // 3, len(every) - 1, len(every)):
+        gid, uid = rk.global_top(groups, k)
+        assert torch.equal(gid, gid_all[perm[:k]]) and torch.equal(uid, uid_all[perm[:k]]), (case, k)
+    assert all(len(t) == 0 for t in rk.global_top(groups, 0))
+    vals[-1][0] = float("nan")
+    with pytest.raises(MLPSurgeryError, match="NaN"):
+        rk.global_top(groups, 5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])  # GQA; fused Conv1D qkv; interleaved qkv
 def test_a_removed_head_is_dead(arch, ids):
     model = tiny_model(arch)

@@ -25,14 +25,9 @@ class Ranking:
         self.sizes = [len(g) for g in groups]
         self.n_units = sum(self.sizes)
         if scope == "global":
-            scores = torch.cat([g.scores.float().cpu() for g in groups])
-            k = min(self.n_units, math.ceil(max_ratio * self.n_units))
-            top = torch.topk(scores, k, sorted=True).indices if k else torch.zeros(0, dtype=torch.long)
-            starts = torch.tensor([0] + self.sizes[:-1]).cumsum(0)
-            gid = torch.searchsorted(starts, top, right=True) - 1
-            self.order = (gid, top - starts[gid])
+            self.order = global_top(groups, min(self.n_units, math.ceil(max_ratio * self.n_units)))
         else:
-            self.order = [torch.topk(g.scores.float().cpu(), min(len(g), math.ceil(max_ratio * len(g))),
+            self.order = [torch.topk(g.score().float().cpu(), min(len(g), math.ceil(max_ratio * len(g))),
                                      sorted=True).indices for g in groups]
         self.max_ratio = max_ratio
 
@@ -62,6 +57,70 @@ class Ranking:
                 fills[name] = fill
         out = {n: (torch.unique(torch.cat(ps)), fills[n]) for n, ps in parts.items()}
         return out, sum(len(ids) for _, ids in chosen)
+
+
+# Global ranking without a full-size copy of the scores: a streaming radix select finds the k-th largest score in
+# two passes over the groups (a histogram of the upper 16 bits of an order-preserving integer key, then of the
+# lower 16 bits inside the chosen bin), a third pass collects the units above it and, of the units tied with it,
+# the first ones in (group, position) order; only those k are sorted. Each pass holds one slice of one group's
+# scores. (A torch.topk over the concatenated scores of SmolLM2's 106 M weights needed about 2 GB beside the
+# model; ties, frequent in bfloat16 weights, were broken in no stated order.)
+_SLICE = 1 << 22
+
+
+def _keys(scores: Tensor) -> Tensor:
+    """int32 keys in the order of the float32 scores (a larger score has a larger key)."""
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # (+ 0.0: -0.0 becomes 0.0, its equal)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _slices(groups: list[UnitGroup]):
+    """(group index, offset, keys) of every slice of every group's scores, in order."""
+    for gi, g in enumerate(groups):
+        s = g.score().detach().float().cpu().reshape(-1)
+        if len(s) != len(g):
+            raise MLPSurgeryError(f"unit group {g.name} scored {len(s)} units, not {len(g)}")
+        if torch.isnan(s).any():
+            raise MLPSurgeryError(f"the scores of {g.name} hold NaN (NaN weights?); the units cannot be ranked — "
+                                  "check the model's weights")
+        for a in range(0, len(s), _SLICE):
+            yield gi, a, _keys(s[a:a + _SLICE])
+        del s
+
+
+def _select(hist: Tensor, k: int) -> tuple[int, int]:
+    """(bin, units in higher bins) for the bin holding the k-th largest of a 65536-bin histogram."""
+    at_least = hist.flip(0).cumsum(0).flip(0)  # at_least[b] = units in bins >= b
+    b = int((at_least >= k).nonzero().max())
+    return b, int(at_least[b + 1]) if b < len(hist) - 1 else 0
+
+
+def global_top(groups: list[UnitGroup], k: int) -> tuple[Tensor, Tensor]:
+    """(group ids, unit ids) of the k highest-scored units of all groups, best first; ties broken by (group,
+    position) order. Memory: one slice of scores plus the k chosen."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    hist = torch.zeros(65536, dtype=torch.long)
+    for _, _, key in _slices(groups):
+        hist += torch.bincount((key >> 16).long() + 32768, minlength=65536)
+    hi, above = _select(hist, k)
+    hist.zero_()
+    for _, _, key in _slices(groups):
+        hist += torch.bincount((key[(key >> 16) == hi - 32768] & 0xFFFF).long(), minlength=65536)
+    lo, more = _select(hist, k - above)
+    kth = ((hi - 32768) << 16) | lo
+    ties = k - above - more  # units scored exactly the k-th score that are taken
+    gids, uids, keys = [], [], []
+    for gi, a, key in _slices(groups):
+        tied = (key == kth).nonzero().squeeze(1)[:ties]
+        ties -= len(tied)
+        ids = torch.cat([(key > kth).nonzero().squeeze(1), tied]).sort().values
+        gids.append(torch.full((len(ids),), gi, dtype=torch.long))
+        uids.append(ids + a)
+        keys.append(key[ids])
+    gid, uid, key = torch.cat(gids), torch.cat(uids), torch.cat(keys)
+    perm = torch.sort(key, descending=True, stable=True).indices  # stable: ties keep (group, position) order
+    return gid[perm], uid[perm]
 
 
 def _flat(p: Tensor, name: str) -> Tensor:

@@ -27,11 +27,15 @@ class UnitGroup:
     conv layer): their indicator scores and, for chosen unit ids, the parameter entries they own."""
 
     name: str
-    scores: Tensor  # (n_units,)
-    members: Callable[[Tensor], Members]
+    scores: Tensor | Callable[[], Tensor]  # (n_units,), or computed on demand (weight units: one copy per group
+    members: Callable[[Tensor], Members]   # at a time, never all of a large model's |w| at once)
+    size: int | None = None  # n_units, where scores is computed on demand
+
+    def score(self) -> Tensor:
+        return self.scores() if callable(self.scores) else self.scores
 
     def __len__(self) -> int:
-        return len(self.scores)
+        return self.size if self.size is not None else len(self.scores)
 
 
 def _index(shape) -> Tensor:
@@ -48,8 +52,13 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 
 def _weight_group(name: str, p: nn.Parameter, cfg: CoreLockerConfig, g: int) -> UnitGroup:
-    scores = p.detach().abs().flatten().float() if cfg.indicator == "l1" else _random_scores(p.numel(), cfg.seed, g)
-    return UnitGroup(name, scores, lambda ids, name=name: [(name, ids, 0.0)])
+    if cfg.indicator == "l1":
+        def scores() -> Tensor:
+            return p.detach().abs().flatten().float()
+    else:
+        def scores() -> Tensor:
+            return _random_scores(p.numel(), cfg.seed, g)
+    return UnitGroup(name, scores, lambda ids, name=name: [(name, ids, 0.0)], size=p.numel())
 
 
 def _is_norm(mod: nn.Module) -> bool:
