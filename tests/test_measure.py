@@ -167,3 +167,15 @@ def test_cost_probe_with_frozen_parameters():
     c = measure_cost(m, torch.randint(0, 256, (2, 16)), repeats=1)
     assert c.trainable_params == sum(p.numel() for n, p in m.named_parameters() if "mlp" in n)
     assert c.step_peak_bytes > c.forward_peak_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_next_token_nll_in_pieces_equals_the_one_piece_log_softmax(dtype):
+    from mlpsurgery.measure.perplexity import _next_token_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 17, 50, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 50, (3, 17), generator=g)
+    whole = -torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    for chunk_bytes in (1, 4 * 3 * 50 * 5, 1 << 26):  # one position, five, all at once
+        assert torch.equal(_next_token_nll(logits, ids, chunk_bytes), whole)

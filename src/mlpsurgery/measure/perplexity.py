@@ -72,6 +72,20 @@ def is_causal_lm(model: nn.Module) -> bool:
         getattr(model.config, "model_type", "") not in ("bert", "roberta")
 
 
+def _next_token_nll(logits: Tensor, ids: Tensor, chunk_bytes: int = 1 << 26) -> Tensor:
+    """-log p(ids[:, t+1] | ..t) from logits (B, T, V) in any dtype, in float32, a few positions at a time: a
+    float32 log-softmax of the whole (B, T, V) would hold two more copies of the logits (1.2 GB for 4 x 512 tokens
+    of a 49k vocabulary). log_softmax works row by row, so the result is the same as in one piece."""
+    B, T, V = logits.shape
+    step = max(1, chunk_bytes // (4 * B * V))
+    out = torch.empty(B, T - 1, dtype=torch.float32, device=logits.device)
+    for s in range(0, T - 1, step):
+        e = min(T - 1, s + step)
+        logp = torch.log_softmax(logits[:, s:e].float(), dim=-1)
+        out[:, s:e] = -logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1)
+    return out
+
+
 def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: int = 512, stride: int | None = None,
                batch_size: int = 4, max_tokens: int | None = None, progress: bool = True,
                device: torch.device | str | None = None, bos_id: int | None = None) -> Perplexity:
@@ -120,9 +134,7 @@ def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: in
             if bos:
                 rows = [torch.cat([torch.tensor([bos_id], dtype=r.dtype), r]) for r in rows]
             ids = torch.stack(rows).to(device)
-            logits = model(input_ids=ids).logits.float()  # (B, T, V)
-            logp = torch.log_softmax(logits[:, :-1], dim=-1)
-            nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1): nll of input token t+1
+            nll = _next_token_nll(model(input_ids=ids).logits, ids)  # (B, T-1): nll of input token t+1
             for b, (doc, start, first, end) in enumerate(group):
                 nll_sum += nll[b, first - start + o - 1:end - start + o - 1].double().sum().item()
                 count += end - first

@@ -62,7 +62,7 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
         report.phase2_tokens_per_step = cfg.phase2_batch * phase2_blocks.shape[1]
         report.phase2_relative_error = module_errors(model, workdir, report.layers, cfg)
     record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
-           phase1_steps=cfg.phase1_steps, phase2_steps=cfg.phase2_steps,
+           phase1_steps=cfg.phase1_steps, onpolicy_steps=cfg.onpolicy_count, phase2_steps=cfg.phase2_steps,
            phase1_relative_error=report.phase1_relative_error,
            # the defender's one-off cost, beside which `attack dlr` sets the attacker's (capture and teacher excluded)
            distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds
