@@ -1,0 +1,175 @@
+"""Peak resident memory of every one-shot command, float32 vs bfloat16, as multiples of the weights' bytes.
+
+Each command runs as its own process (the CLI a user runs, at small budgets: the memory of these commands is
+set by the model, not by the number of calibration tokens); its peak resident set size is read from the
+kernel's accounting of that process alone (os.wait4). The interpreter baseline is a process that only imports
+mlpsurgery's CLI, torch and transformers. Columns: peak RSS, peak minus the baseline, and that excess as a
+multiple of the weights' bytes in the dtype the command ran in.
+
+    python benchmarks/memory.py [--model smollm2] --json docs/results/memory-smollm2.json --md docs/results/memory-smollm2.md
+
+Threads are pinned (OMP_NUM_THREADS=2) so that runs are comparable; the numbers do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+EXE = [sys.executable, "-m", "mlpsurgery"]
+
+
+def _status(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile of a live process, in bytes (empty once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key = line.split(":")[0]
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def peak_rss(cmd: list[str], env: dict) -> tuple[int, float, int, str, int]:
+    """(peak RSS in bytes, seconds, exit status, the last stage line the command printed before its peak, peak
+    anonymous memory) of one process run to completion. The peak RSS is the kernel's (os.wait4). Polling
+    /proc every 20 ms beside the command's stderr (progress lines) says which step needs the memory and how much
+    of it is anonymous (the process's own allocations) rather than file pages (a memory-mapped checkpoint's
+    pages count in RSS while mapped, but the kernel can drop them); a poll can miss a brief spike, so the
+    anonymous peak is a lower bound."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = {"line": "", "peak": 0, "at": "", "tail": [], "anon": 0}
+
+    def read_stderr():
+        for raw in iter(proc.stderr.readline, b""):
+            for part in raw.decode(errors="replace").replace("\r", "\n").split("\n"):
+                if part.strip():
+                    state["line"] = part.strip()[:100]
+                    state["tail"] = (state["tail"] + [part])[-20:]
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # (not proc.poll(): its reaping loses the rusage)
+        if pid:
+            break
+        now = _status(proc.pid)
+        rss = now.get("VmRSS", 0)
+        state["anon"] = max(state["anon"], now.get("RssAnon", 0))
+        if rss > state["peak"]:
+            state["peak"], state["at"] = rss, state["line"]
+        time.sleep(0.02)
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(timeout=5)
+    peak = usage.ru_maxrss * 1024
+    if rc:
+        sys.stderr.write("".join(state["tail"])[-2000:] + "\n")
+    return peak, time.perf_counter() - t0, rc, state["at"], state["anon"]
+
+
+def cpu_name() -> str:
+    """The CPU's model name, and whether it has bfloat16 instructions (without them bfloat16 matmuls are slow)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    bf16 = any(f in info for f in ("avx512_bf16", "amx_bf16"))
+    return f"{name}, {'with' if bf16 else 'no'} bfloat16 instructions"
+
+
+def commands(model: str, dtype: str, work: Path) -> list[tuple[str, list[str]]]:
+    """(label, argv) of every command measured, in the order they run (unlock and export use earlier outputs)."""
+    d = ["--dtype", dtype]
+    w = work / dtype
+    return [
+        ("inspect", ["inspect", model, *d]),
+        ("eval ppl (8k tokens)", ["eval", "ppl", model, *d, "--max-tokens", "8192"]),
+        ("fuse --width 768 --layers all", ["fuse", model, *d, "--width", "768", "--layers", "all",
+                                           "--out", str(w / "fused")]),
+        ("prune wanda 50%", ["prune", model, *d, "--method", "wanda", "--sparsity", "0.5", "--out", str(w / "wanda")]),
+        ("prune sparsegpt 50%", ["prune", model, *d, "--method", "sparsegpt", "--sparsity", "0.5",
+                                 "--out", str(w / "sparsegpt")]),
+        ("lock key --ratio 0.05", ["lock", "key", model, *d, "--ratio", "0.05", "--out", str(w / "locked"),
+                                   "--key", str(w / "key.bin")]),
+        ("unlock", ["unlock", str(w / "locked"), *d, "--key", str(w / "key.bin"), "--out", str(w / "unlocked")]),
+        ("export (fused)", ["export", str(w / "fused"), *d, "--out", str(w / "exported")]),
+    ]
+
+
+def render(result: dict) -> str:
+    """The markdown table of a result (also from a saved JSON: --render)."""
+    base, base_anon = result["baseline_rss_bytes"], result["baseline_anon_bytes"]
+    lines = [f"Model {result['model']} ({result['parameters'] / 1e6:.1f} M parameters); interpreter baseline "
+             f"{base / 2**30:.2f} GiB ({base_anon / 2**30:.2f} GiB anonymous); {result['machine']}.", "",
+             "| command | dtype | peak RSS | above baseline | x weights | peak anonymous | its excess x weights | s "
+             "| peak during |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        during = r["peak_during"].split("|")[0].strip()  # a progress bar's label, not its bar
+        lines.append(f"| {r['command']} | {r['dtype']} | {r['peak_rss_bytes'] / 2**30:.2f} GiB | "
+                     f"{r['excess_bytes'] / 2**30:.2f} GiB | {r['excess_over_weights']:.2f} | "
+                     f"{r['peak_anon_bytes'] / 2**30:.2f} GiB | {r['anon_excess_over_weights']:.2f} | {r['seconds']:.0f} | "
+                     f"{during} |" + ("" if r["exit_status"] == 0 else f" (exit {r['exit_status']})"))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--only", help="comma-separated labels' first words to run (e.g. lock,unlock)")
+    p.add_argument("--json", dest="json_out")
+    p.add_argument("--md")
+    p.add_argument("--render", metavar="JSON", help="only write --md from a saved --json result")
+    args = p.parse_args()
+    if args.render:
+        Path(args.md).write_text(render(json.loads(Path(args.render).read_text())))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    info = json.loads(subprocess.run(EXE + ["inspect", args.model, "--json", "--quiet"], env=env, check=True,
+                                     capture_output=True, text=True).stdout)
+    n_params = info["params"]["total"]
+    base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
+    try:
+        for dtype in args.dtypes.split(","):
+            weights = n_params * (4 if dtype == "float32" else 2)
+            for label, argv in commands(args.model, dtype, work):
+                if args.only and label.split()[0] not in args.only.split(","):
+                    continue
+                rss, secs, rc, at, anon = peak_rss(EXE + argv, env)
+                row = {"command": label, "dtype": dtype, "peak_rss_bytes": rss, "seconds": round(secs, 1),
+                       "exit_status": rc, "peak_during": at, "peak_anon_bytes": anon,
+                       "anon_excess_over_weights": round((anon - base_anon) / weights, 2),
+                       "excess_bytes": rss - base, "weights_bytes": weights,
+                       "excess_over_weights": round((rss - base) / weights, 2)}
+                rows.append(row)
+                print(f"{label:32s} {dtype:9s} peak {rss / 2**30:6.2f} GiB  excess {(rss - base) / 2**30:6.2f} GiB "
+                      f"= {row['excess_over_weights']:5.2f}x weights; anonymous {anon / 2**30:.2f} GiB  "
+                      f"({secs:.0f} s, exit {rc}; peak during: {at})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"model": args.model, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
+              "machine": f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}",
+              "python": platform.python_version(), "rows": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.md:
+        Path(args.md).write_text(render(result))
+
+if __name__ == "__main__":
+    main()
