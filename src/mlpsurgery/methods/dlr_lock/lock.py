@@ -7,7 +7,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ...capture import fingerprint, open_capture
@@ -18,7 +17,7 @@ from .captured import split_chunks
 from .config import DLRConfig, DLRReport
 from .modulewise import phase1
 from .logits import phase2, teacher_targets
-from .workdir import _finish, _stage, _stage_file
+from .workdir import _finish, _save_stage_file, _stage, _stage_file
 
 
 def install(model: nn.Module, nets: dict[int, DLRNet]) -> None:
@@ -42,7 +41,7 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
     teacher = {"fingerprint": fingerprint(model, phase2_blocks, top_k=cfg.top_k)} if cfg.phase2_steps > 0 else None
     if teacher is not None and not _stage(workdir, "teacher", teacher):
         # the teacher is the original model: its targets are computed before the surgery
-        save_file(teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress), str(targets_path))
+        _save_stage_file(targets_path, teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress))
         _finish(workdir, "teacher")
     nets, report = phase1(model, calib_blocks, cfg, workdir, progress, device=device)
     install(model, nets)

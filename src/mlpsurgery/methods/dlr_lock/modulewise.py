@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -21,7 +19,7 @@ from .captured import _CapturedSet, capture_batch, split_chunks
 from .config import DLRConfig, DLRReport, plan
 from .onpolicy import onpolicy
 from .start import closed_form_start, mlp_directions
-from .workdir import _finish, _stage, _stage_file
+from .workdir import _finish, _save_stage_file, _stage, _stage_file
 
 
 # A layer whose closed-form start leaves held-out error at or above this starts at the identity instead: on small
@@ -57,8 +55,7 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
             heldout[worse] = 1.0
         info = {"seconds": time.perf_counter() - t0, "heldout": {i: float(e) for i, e in zip(report.layers, heldout)},
                 "identity_layers": [report.layers[j] for j in worse]}
-        save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(path) + ".tmp")
-        os.replace(str(path) + ".tmp", path)
+        _save_stage_file(path, net.state_dict())
         atomic_write_text(meta, json.dumps(info))
         info = json.loads(meta.read_text())
     report.start_seconds = info["seconds"]
@@ -112,7 +109,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
                             workdir / "phase1_ckpt", "DLR phase 1 (all layers)", progress)
         report.phase1_history = history(res)
         report.phase1_seconds = res.seconds
-        save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(done))
+        _save_stage_file(done, net.state_dict())
         atomic_write_text(workdir / "phase1.json", json.dumps({
             "history": report.phase1_history, "seconds": res.seconds, "start_seconds": report.start_seconds,
             "start_relative_error": report.start_relative_error,

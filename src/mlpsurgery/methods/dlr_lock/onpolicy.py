@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ...capture import capture_mlp_io
@@ -29,7 +28,7 @@ from ...modules.dlr import StackedDLR
 from .batched import _validate, history, train_batched
 from .captured import _CapturedSet, capture_batch, split_chunks
 from .config import DLRConfig, DLRReport
-from .workdir import _finish, _stage, _stage_file
+from .workdir import _finish, _save_stage_file, _stage, _stage_file
 
 
 def digest(net: nn.Module) -> str:
@@ -44,10 +43,16 @@ def digest(net: nn.Module) -> str:
 def capture_onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, layers: list[int], out_dir: Path,
                      dtype: torch.dtype, progress: bool = True):
     """(x', y') of every layer in `layers` with net's slice j running in place of layer layers[j]'s sub-block."""
-    students = {i: net.unstack(j).to(net.D.device) for j, i in enumerate(layers)}
+    students: dict[int, nn.Module] = {}  # unstacked on first use: reopening a finished capture copies no net
+
+    def student(j: int, x: Tensor) -> Tensor:
+        if j not in students:
+            students[j] = net.unstack(j).to(net.D.device)
+        return students[j]._delta(x)
+
     return capture_mlp_io(model, blocks, layers=layers, batch_size=capture_batch(len(blocks)), out_dir=out_dir,
-                          dtype=dtype, progress=progress, replace={i: s._delta for i, s in students.items()},
-                          tag=digest(net))
+                          dtype=dtype, progress=progress, tag=digest(net),
+                          replace={i: (lambda x, j=j: student(j, x)) for j, i in enumerate(layers)})
 
 
 def mixed_sampler(teacher: _CapturedSet, onpol: _CapturedSet, mix: float, hard_fraction: float):
@@ -86,7 +91,7 @@ def onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, forward, train: 
                             floor, cfg.onpolicy_count, cfg.onpolicy_lr, cfg.phase1_weight_decay, cfg.seed + 1,
                             cfg.phase1_tokens, workdir / "onpolicy_ckpt", "DLR phase 1, on-policy", progress)
         del train_on
-        save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(done))
+        _save_stage_file(done, net.state_dict())
         meta = {"history": history(res), "seconds": capture_seconds + res.seconds, "capture_seconds": capture_seconds,
                 "before": {i: float(e) for i, e in zip(layers, before)}}
         atomic_write_text(workdir / "onpolicy.json", json.dumps(meta))

@@ -4,9 +4,10 @@ refused instead of silently mixing two runs."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ...errors import IntegrityError, MLPSurgeryError
@@ -32,6 +33,14 @@ def _stage(workdir: Path, name: str, settings: dict) -> bool:
     workdir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"settings": settings, "done": False}, indent=1))
     return False
+
+
+def _save_stage_file(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Write a stage's tensors (e.g. a net's state dict) whole or not at all: a stop mid-write leaves no
+    half-written file for _stage_file to find."""
+    tmp = Path(str(path) + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
 
 
 def _stage_file(path: Path) -> dict[str, Tensor]:
