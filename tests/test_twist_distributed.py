@@ -12,6 +12,8 @@ from mlpsurgery.io import load
 from mlpsurgery.methods.twist import TwISTConfig, twist_train
 from mlpsurgery.tiny import tiny_model
 
+from gloo import ranks
+
 ARGS = ["tiny:llama", "--workers", "2", "--blocks", "4", "--keep", "2", "--attn-keep", "1", "--steps", "3",
         "--interval", "3", "--batch-size", "2", "--lr", "1e-3", "--shared-first", "0", "--shared-last", "1",
         "--block-len", "32", "--quiet"]
@@ -69,56 +71,12 @@ def test_ddp_equals_its_one_process_emulation(tmp_path):
 
 
 # ---- GPT-2 and OPT (attention that takes its head count from the config) -------------------------------
-# Real gloo processes, forked from the test process instead of started by torchrun: each rank runs the same
-# `mlpsurgery twist train` that torchrun would run, with the environment torchrun would give it, and starts in
-# well under a second instead of re-importing torch and transformers (the torchrun path itself is tested above).
+# Real gloo processes, forked from the test process instead of started by torchrun (gloo.ranks): each rank runs
+# the same `mlpsurgery twist train` that torchrun would run, with the environment torchrun would give it, and
+# starts in well under a second instead of re-importing torch and transformers (the torchrun path itself is
+# tested above).
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom, the age of foolishness. " * 30
-
-
-def _child(rank: int, world: int, port: int, argv: list[str], log: str) -> None:
-    torch.set_num_threads(1)  # a forked OpenMP pool is not usable; one thread never touches it
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = sys.stderr = open(fd, "w", closefd=False)  # not pytest's capture objects
-    code = 1
-    try:
-        from mlpsurgery.cli import main
-
-        code = main(argv)
-    except BaseException:  # noqa: BLE001 - the traceback goes to the rank's log
-        import traceback
-
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def ranks(tmp_path, argv: list[str], world: int = 2, timeout: float = 120) -> list[tuple[int, str]]:
-    """Run `mlpsurgery ARGV` as `world` torch.distributed ranks (gloo); (exit code, output) per rank."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    logs = [str(tmp_path / f"rank{r}.log") for r in range(world)]
-    procs = [ctx.Process(target=_child, args=(r, world, port, argv, logs[r])) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} hung"
-    return [(p.exitcode, open(log).read()) for p, log in zip(procs, logs)]
 
 
 def train_args(tmp_path, arch: str, mode: str, parts: str, out: str, *extra: str) -> list[str]:

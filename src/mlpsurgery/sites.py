@@ -770,6 +770,10 @@ class Sites:
     def embeddings(self) -> list[nn.Module]:
         return [_get(self.base, p) for p in self.spec.embeddings]
 
+    def layers(self) -> list[nn.Module]:
+        """The decoder (or encoder) layers in order (the units FSDP shards one by one)."""
+        return list(_get(self.base, self.spec.layers))
+
     def final_norm(self) -> nn.Module | None:
         return _get(self.base, self.spec.final_norm) if self.spec.final_norm else None
 

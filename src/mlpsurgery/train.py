@@ -133,6 +133,66 @@ def set_rng_state(state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Sharded parameters (FSDP2 under torchrun, parallel.shard): checkpoints hold full tensors, so that a run
+# written by N ranks resumes in one process or in M; every rank takes part in the gathers.
+
+
+def _full(obj):
+    """`obj` with every sharded tensor replaced by its full value (a collective on a DTensor)."""
+    from . import parallel
+
+    if isinstance(obj, Tensor):
+        return obj.full_tensor() if parallel.is_dtensor(obj) else obj
+    if isinstance(obj, dict):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_full(v) for v in obj)
+    return obj
+
+
+def _like(value: Tensor, param: Tensor) -> Tensor:
+    """A full `value` split the way `param` is (this rank's shard of it); unchanged for a plain parameter."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from . import parallel
+
+    if not parallel.is_dtensor(param) or parallel.is_dtensor(value) or value.shape != param.shape:
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def _sharded_step(params: list[Tensor], clip: float | None) -> float:
+    """What DDP and FSDP do between backward and the update, for a mix of sharded and plain parameters: plain
+    gradients averaged over the ranks (FSDP averaged the sharded ones), then all scaled by one global norm clip.
+    Returns the global gradient norm (the same on every rank, and the one a single process would see)."""
+    import torch.distributed as dist
+
+    from . import parallel
+
+    _, size = parallel.world()
+    sharded_sq = torch.zeros((), dtype=torch.float64)
+    plain_sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if parallel.is_dtensor(p.grad):
+            sharded_sq += p.grad.to_local().double().pow(2).sum().cpu()
+        else:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(size)
+            plain_sq += p.grad.double().pow(2).sum().cpu()
+    dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM)
+    norm = float((sharded_sq + plain_sq).sqrt())
+    if clip:
+        coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    (p.grad.to_local() if parallel.is_dtensor(p.grad) else p.grad).mul_(coef)
+    return norm
+
+
+# --------------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -159,6 +219,8 @@ class FitResult:
     resumed_from: int
     seconds: float
     stopped_early: str | None = None  # the StopTraining message, when loss_fn ended the run
+    # what this process held for the trained parameters at the end (its shard of them when sharded)
+    memory: dict = field(default_factory=dict)  # {"param_bytes", "grad_bytes", "optimizer_bytes", "world_size"}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -181,9 +243,21 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     it returns the norm it saw. settings: what else the run depends on (a model fingerprint, the data, the
     method's config), recorded with every checkpoint; a checkpoint made with other settings (these, or the
     FitConfig's) is refused, never resumed.
+
+    Sharded parameters (a model sharded by mlpsurgery.parallel.shard under torchrun; loss_fn takes this rank's
+    rows of the batch, parallel.rows): the loss and metrics are averaged over the ranks, plain parameters'
+    gradients too, the clip is by the global norm, only rank 0 shows progress and writes checkpoints (full
+    tensors; a stop by Ctrl-C keeps the last periodic one, since the ranks may not all reach a gather).
     """
+    from . import parallel
+
     if cfg.steps < 0:
         raise MLPSurgeryError(f"steps must be >= 0, not {cfg.steps}")
+    rank, size = parallel.world()
+    sharded = size > 1 and any(parallel.is_dtensor(p) for p in params.values())
+    if sharded and clip_fn is not None:
+        raise MLPSurgeryError("this training step clips gradients per group, which sharded (FSDP) training does not "
+                              "offer; run it in one process")
     names = list(params)
     grouped = set()
     groups = []
@@ -216,7 +290,15 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                                   f"({', '.join(diff[:6])}); resume with the same ones, or delete it")
         with torch.no_grad():
             for n in names:
-                params[n].copy_(state["params"][n])
+                p = params[n]
+                (p.to_local() if parallel.is_dtensor(p) else p).copy_(
+                    _like(state["params"][n], p).to_local() if parallel.is_dtensor(p) else state["params"][n])
+        if sharded:
+            plist = [p for g in opt.param_groups for p in g["params"]]
+            for idx, st in state["optimizer"]["state"].items():
+                for k, v in st.items():
+                    if isinstance(v, Tensor) and k != "step":
+                        st[k] = _like(v, plist[int(idx)])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         history, start, elapsed = state["history"], state["step"], state["seconds"]
@@ -229,16 +311,27 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         extra: dict = {}
         if on_checkpoint is not None:
             on_checkpoint(extra)
-        save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
-                               "params": {n: params[n].detach() for n in names}, "optimizer": opt.state_dict(),
-                               "rng": rng or rng_state(), "history": history, "config": asdict(cfg), "extra": extra,
-                               "settings": identity})
+        with torch.no_grad():
+            tensors = {n: params[n].detach() for n in names}
+            optim = opt.state_dict()
+            if sharded:
+                tensors, optim = _full(tensors), _full(optim)
+        if rank == 0 or not sharded:
+            save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
+                                   "params": tensors, "optimizer": optim,
+                                   "rng": rng or rng_state(), "history": history, "config": asdict(cfg),
+                                   "extra": extra, "settings": identity})
+        if sharded:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank runs ahead of a checkpoint that may yet fail to write
 
     t0 = time.perf_counter() - elapsed
     done = start  # steps whose update is complete: what a checkpoint written now may claim
     rng_next = None  # the RNG as step `done` found it (None: the current state), so a replay draws the same dropout
     stopped = None
-    bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", disable=not progress)
+    bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", disable=not progress or rank != 0)
+    trained = [p for g in opt.param_groups for p in g["params"]]
     try:
         for step in range(start, cfg.steps):
             rng_next = rng_state()
@@ -247,18 +340,26 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                 g["lr"] = lr * f
             out = loss_fn(step)
             loss, metrics = out if isinstance(out, tuple) else (out, {})
-            if not torch.isfinite(loss):
-                raise MLPSurgeryError(f"{desc}: loss became {loss.item()} at step {step}; lower the learning rate")
+            shown = float(loss.detach())
+            if sharded:  # what one process would report: the mean over the ranks' equal shares of the batch
+                keys = list(metrics)
+                both = parallel.mean_over_ranks(torch.tensor([shown, *(float(metrics[k]) for k in keys)],
+                                                             dtype=torch.float64)).tolist()
+                shown, metrics = both[0], dict(zip(keys, both[1:]))
+            if not math.isfinite(shown):
+                raise MLPSurgeryError(f"{desc}: loss became {shown} at step {step}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             with _deferred_interrupt():  # the update and its bookkeeping happen entirely or not at all
                 if clip_fn is not None:
                     metrics.setdefault("grad_norm", float(clip_fn()))
+                elif sharded:
+                    metrics.setdefault("grad_norm", _sharded_step(trained, cfg.clip))
                 elif cfg.clip:
-                    gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.clip)
+                    gn = torch.nn.utils.clip_grad_norm_(trained, cfg.clip)
                     metrics.setdefault("grad_norm", float(gn))
                 opt.step()
-                rec = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"],
+                rec = {"step": step + 1, "loss": shown, "lr": opt.param_groups[0]["lr"],
                        "time_s": time.perf_counter() - t0, **{k: float(v) for k, v in metrics.items()}}
                 history.append(rec)
                 done, rng_next = step + 1, None
@@ -271,13 +372,20 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         stopped = str(e) or "stopped by the loss function"
     except KeyboardInterrupt:
         bar.close()
-        write(done, time.perf_counter() - t0, rng=rng_next)
+        if not sharded:
+            write(done, time.perf_counter() - t0, rng=rng_next)
         raise
     bar.close()
     seconds = time.perf_counter() - t0
     if stopped is None:
         write(cfg.steps, seconds)
-    return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped)
+    memory = {"param_bytes": parallel.local_bytes(trained),
+              "grad_bytes": parallel.local_bytes([p.grad for p in trained if p.grad is not None]),
+              "optimizer_bytes": parallel.local_bytes([v for st in opt.state.values() for v in st.values()
+                                                      if isinstance(v, Tensor) and v.dim() > 0]),
+              "world_size": size if sharded else 1}
+    return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped,
+                     memory=memory)
 
 
 @contextlib.contextmanager
@@ -312,12 +420,15 @@ def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def lm_loss(model: nn.Module, blocks: Tensor, batch_size: int, seed: int = 0) -> Callable[[int], Tensor]:
-    """loss_fn(step): next-token loss on `batch_size` rows of `blocks` (N, T) drawn with step_rng(seed, step)."""
+    """loss_fn(step): next-token loss on `batch_size` rows of `blocks` (N, T) drawn with step_rng(seed, step)
+    (while the model is sharded, this rank's share of them: mlpsurgery.parallel.rows)."""
+    from .parallel import rows
+
     device = next(model.parameters()).device
 
     def loss_fn(step: int) -> Tensor:
         idx = torch.randint(0, len(blocks), (batch_size,), generator=step_rng(seed, step))
-        batch = blocks[idx].to(device)
+        batch = rows(blocks[idx], model).to(device)
         return model(input_ids=batch, labels=batch).loss
 
     return loss_fn
@@ -325,12 +436,15 @@ def lm_loss(model: nn.Module, blocks: Tensor, batch_size: int, seed: int = 0) ->
 
 def classifier_loss(model: nn.Module, tokenizer, data, batch_size: int, max_len: int = 128,
                     seed: int = 0) -> Callable[[int], Tensor]:
-    """loss_fn(step): cross-entropy of a sequence classifier on `batch_size` examples of a LabelledSet."""
+    """loss_fn(step): cross-entropy of a sequence classifier on `batch_size` examples of a LabelledSet (while the
+    model is sharded, this rank's share of them)."""
+    from .parallel import rows
+
     device = next(model.parameters()).device
     labels = torch.tensor(data.labels)
 
     def loss_fn(step: int) -> Tensor:
-        idx = torch.randint(0, len(data), (batch_size,), generator=step_rng(seed, step)).tolist()
+        idx = rows(torch.randint(0, len(data), (batch_size,), generator=step_rng(seed, step)).tolist(), model)
         enc = tokenizer([data.texts[i] for i in idx], padding=True, truncation=True, max_length=max_len,
                         return_tensors="pt")
         enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}

@@ -50,6 +50,7 @@ def _check_options(args, parser: argparse.ArgumentParser, form: str, allowed: se
 
 
 def run_nest(args) -> dict:
+    from .. import parallel
     from ..methods import nsn
     from ..train import FitConfig
 
@@ -88,9 +89,13 @@ def run_nest(args) -> dict:
         ranks=_ranks(args.ranks), n_ranks=args.n_ranks, objective=args.objective, sampling=args.sampling,
         curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
+    device = device_of(args)
+    if parallel.launched():  # torchrun --nproc-per-node N: the training is sharded over the ranks (FSDP2)
+        device = parallel.rank_device(device)
+        parallel.init(device)
     out = nsn.nest_model(words[0] if words else None, args.out, cfg, train, data=args.data, batch_size=args.batch_size,
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
-                         overwrite=args.overwrite, device=device_of(args), progress=progress(args))
+                         overwrite=args.overwrite, device=device, progress=progress(args))
     return {"action": "train", **out}
 
 
@@ -102,6 +107,8 @@ def _log_var(r: dict) -> str:
 
 
 def render(r: dict) -> str:
+    if r.get("rank") and r["action"] == "train":  # a torchrun rank other than 0 (rank 0 saves and reports)
+        return f"rank {r['rank']} of {r['world_size']} done"
     if r["action"] == "rank":
         return (f"wrote {r['out']} ({r['form']}): rank {r['rank']}, {r['flops_fraction']:.1%} of the dense FLOPs of the "
                 f"nested projections; parameters {human_count(r['params_before'])} -> {human_count(r['params_after'])}"
@@ -121,6 +128,11 @@ def render(r: dict) -> str:
     if t:
         lines.append(f"trained {t['steps']} steps ({t['objective']}, {t['sampling']}) on ranks {t['ranks']} in "
                      f"{t['seconds']:.0f} s; final loss {t['final_loss']:.4g}")
+        mem = t.get("memory") or {}
+        if mem.get("world_size", 1) > 1:
+            lines.append(f"sharded over {mem['world_size']} processes (FSDP2); rank 0 held {mem['model_param_bytes'] / 2**20:.0f} "
+                         f"MiB of parameters, {(mem['grad_bytes'] + mem['optimizer_bytes']) / 2**20:.0f} MiB of "
+                         "gradients and AdamW moments")
         if t["log_var"]:
             lines.append("log-variance per rank (steps that updated it): " + _log_var(t))
     else:

@@ -41,9 +41,7 @@ def _check_checkpoint(ckpt: Path, out: str, inputs) -> None:
 # ---- twist train ------------------------------------------------------------------------------------
 
 def run_train(args) -> dict:
-    import torch
-
-    from .. import files
+    from .. import files, parallel
     from ..data import load_corpus
     from ..io import save
     from ..methods.twist import TwISTConfig, init_distributed, on_rank0, twist_train
@@ -57,9 +55,7 @@ def run_train(args) -> dict:
     device = device_of(args)
     rank, world = (0, 1)
     if args.mode != "masked" or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # masked under torchrun: refused below
-        if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
+        device = parallel.rank_device(device)
         rank, world = init_distributed(device)
     ckpt = Path(args.checkpoint) if args.checkpoint else Path(args.out).with_name(Path(args.out).name + ".checkpoint")
     if args.no_checkpoint:

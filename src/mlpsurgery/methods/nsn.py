@@ -389,6 +389,9 @@ class TrainResult:
     steps: int
     resumed_from: int
     seconds: float
+    # bytes this process held while training: the model's parameters, the trained ones, their gradients and AdamW
+    # moments (under torchrun, its FSDP shard of each) and the number of ranks
+    memory: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -401,7 +404,10 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     classification, e.g. mlpsurgery.train.lm_loss / classifier_loss) of the step's batch at the model's
     current rank. Leaves the model at the anchor rank. Checkpoints (factors, log-variances, optimizer,
     RNG) go to checkpoint_dir; a rerun with the same folder resumes, one made from another model or with other
-    settings (the NSN config, the model's fingerprint, and the caller's `settings`: its data) is refused."""
+    settings (the NSN config, the model's fingerprint, and the caller's `settings`: its data) is refused.
+    Under torchrun with several ranks the model is sharded (FSDP2, mlpsurgery.parallel) for the training and
+    plain again afterwards; task_loss must then take this rank's rows (lm_loss / classifier_loss do)."""
+    from .. import parallel
     from ..files import model_fingerprint
 
     cfg = cfg or NSNTrainConfig()
@@ -424,8 +430,17 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     if checkpoint_dir is not None:
         identity = {"model": model_fingerprint(model, skip=params), "nsn": {k: v for k, v in asdict(cfg).items() if k != "fit"},
                     "ranks": ranks, **(settings or {})}
+    _, world = parallel.world()
+    if world > 1:  # under torchrun: FSDP, each rank its share of every batch and of every tensor
+        parallel.same_on_every_rank("models, data or settings", identity if identity is not None else
+                                    model_fingerprint(model, skip=params))
+        parallel.shard(model, next(model.parameters()).device)
+        named = dict(model.named_parameters())
+        params = {n: named.get(n, p) for n, p in params.items()}  # the sharded ones (log_var stays plain)
+    model_bytes = parallel.local_bytes(model.parameters())
     res = fit(params, objective.loss_fn(model, task_loss), cfg.fit, checkpoint_dir=checkpoint_dir, progress=progress,
               desc=desc, optimizer_groups=groups, settings=identity)
+    parallel.unshard(model)
     model.eval()
     set_rank(model, objective.anchor)
     log_var = objective.log_variances() if cfg.objective == "uncertainty" else {}
@@ -433,8 +448,8 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     record(model, "nsn-train", asdict(cfg) | {"ranks": ranks}, steps=res.steps, seconds=res.seconds,
            log_var={str(k): v for k, v in log_var.items()}, updates={str(k): v for k, v in updates.items()})
     return TrainResult(ranks=ranks, anchor=objective.anchor, log_var=log_var, updates=updates, history=res.history,
-                       steps=res.steps,
-                       resumed_from=res.resumed_from, seconds=res.seconds)
+                       steps=res.steps, resumed_from=res.resumed_from, seconds=res.seconds,
+                       memory={"model_param_bytes": model_bytes, **res.memory})
 
 
 def learned_log_variances(model: nn.Module) -> dict[int, float]:
@@ -715,12 +730,23 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
 
     from ..files import check_state, remove_ours
 
+    from .. import parallel
+
     out = Path(out)
     steps = train.fit.steps if train else 0
     ckpt = Path(checkpoint_dir) if checkpoint_dir else out.with_name(out.name + ".ckpt")
-    check_out(out, overwrite, inputs=[model_spec, data, ckpt if steps > 0 else None])  # before hours of training
-    if steps > 0:
-        check_state(ckpt, inputs=[model_spec, data, out])
+    rank, world = parallel.world()
+    if world > 1 and steps == 0:
+        raise MLPSurgeryError("under torchrun `nest` shards its training over the ranks: give --train-steps N, or run "
+                              "it as one process")
+    progress = progress and rank == 0
+
+    def claims():  # rank 0's (every rank hears of a refusal); before hours of training
+        check_out(out, overwrite, inputs=[model_spec, data, ckpt if steps > 0 else None])
+        if steps > 0:
+            check_state(ckpt, inputs=[model_spec, data, out])
+
+    parallel.on_rank0(claims)
     stage(f"loading {model_spec or 'smollm2 (the default model)'}", progress)
     probe = load_model(model_spec)
     if not _is_classifier(probe.model) and any(a.endswith("ForSequenceClassification")
@@ -765,7 +791,9 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                            "steps": res.steps,
                            "resumed_from": res.resumed_from, "seconds": res.seconds,
                            "final_loss": res.history[-1]["loss"] if res.history else None,
-                           "objective": train.objective, "sampling": train.sampling}
+                           "objective": train.objective, "sampling": train.sampling, "memory": res.memory}
+    if rank != 0:  # rank 0 saves the trained model
+        return {**result, "rank": rank, "world_size": world}
     stage(f"saving the nested model to {out}", progress)
     save(model.cpu(), out, tokenizer=tok, overwrite=overwrite, inputs=[model_spec, data])
     if steps > 0:

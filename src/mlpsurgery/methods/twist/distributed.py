@@ -1,15 +1,15 @@
-"""torch.distributed plumbing: joining the process group, the collective calls TwIST makes (counting bytes),
-shipping a model's structure to another rank and rebuilding it there, and per-rank statistics."""
+"""torch.distributed plumbing for TwIST: the collective calls it makes (counting bytes), shipping a model's
+structure to another rank and rebuilding it there, and per-rank statistics (joining the group and rank 0's checks:
+mlpsurgery.parallel)."""
 
 from __future__ import annotations
 
-import os
 import resource
-from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from ... import parallel
 from ...errors import MLPSurgeryError
 from ...train import trainable
 from .aggregation import _params
@@ -68,58 +68,9 @@ class Comm:
         return out.cpu()
 
 
-def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int]:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); (rank, world size)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def on_rank0(prepare: Callable[[], Any]) -> Any:
-    """Run rank 0's `prepare` (loading, checks, claims) and tell every rank how it went, before any rank waits on
-    another for work. A refusal on rank 0 is raised on every rank with the same class and message, so each
-    process ends with the one-line error (exit status 2) instead of the others dying on a closed connection.
-    Call it on every rank; the others get None. Without torch.distributed it is just `prepare()`."""
-    import torch.distributed as dist
-
-    from ... import errors
-
-    rank, world = _distributed()
-    if world == 1:
-        return prepare()
-    out = failure = None
-    if rank == 0:
-        try:
-            out = prepare()
-        except BaseException as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
-            failure = e
-    box = [None if failure is None else
-           (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError))]
-    nccl = dist.get_backend() == "nccl"
-    dist.broadcast_object_list(box, src=0, device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
-    if failure is not None:
-        raise failure
-    if box[0] is not None:
-        name, message, user = box[0]
-        klass = getattr(errors, name, None) if user else None
-        if not (isinstance(klass, type) and issubclass(klass, MLPSurgeryError)):
-            klass = MLPSurgeryError if user else RuntimeError
-        raise klass(message if user else f"rank 0 failed before training ({name}: {message})")
-    return out
-
-
-def _distributed() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+init_distributed = parallel.init  # joining the group torchrun describes (gloo on CPU, NCCL on CUDA)
+on_rank0 = parallel.on_rank0  # rank 0's checks and loading, its refusal raised on every rank
+_distributed = parallel.world
 
 
 def _structure(model: nn.Module) -> dict:

@@ -1,0 +1,168 @@
+"""Sharded training (FSDP2 over gloo ranks, mlpsurgery.parallel) computes what one process computes: the same
+losses and gradient norms step by step, the same trained weights, each rank holding about half of the parameter,
+gradient and optimizer bytes; checkpoints hold full tensors, so a run stopped under two ranks resumes in one; the
+model comes back plain (saved and reloaded as the stock class); bad launches are refused on every rank."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from mlpsurgery import parallel
+from mlpsurgery.io import load
+from mlpsurgery.methods import nsn
+from mlpsurgery.tiny import tiny_model
+from mlpsurgery.train import FitConfig, fit, lm_loss, trainable
+
+from gloo import ranks, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom, the age of foolishness. " * 30
+
+
+def _json(log: str) -> dict:
+    return json.loads(log[log.index("{"):log.rindex("}") + 1])
+
+
+def nest_args(tmp_path, arch: str, out: str, *extra: str) -> list[str]:
+    data = tmp_path / "t.txt"
+    if arch == "bert":  # an encoder trains a classifier head on labelled text
+        data = tmp_path / "d.jsonl"
+        data.write_text("\n".join(json.dumps({"text": ("good " if i % 2 else "bad ") * (1 + i % 4),
+                                              "label": "pos" if i % 2 else "neg"}) for i in range(40)))
+    else:
+        data.write_text(TEXT)
+    return ["nest", f"tiny:{arch}", "--out", out, "--train-steps", "4", "--batch-size", "4", "--block-len", "32",
+            "--max-len", "16", "--lr", "3e-3", "--data", str(data), "--json", "--quiet", *extra]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])  # untied; tied embeddings (Conv1D); an encoder
+def test_nest_sharded_over_two_ranks_equals_one_process(tmp_path, arch):
+    from mlpsurgery.cli import main
+
+    one = str(tmp_path / "one")
+    assert main(nest_args(tmp_path, arch, one)) == 0
+    two = str(tmp_path / "two")
+    (c0, log0), (c1, log1) = ranks(tmp_path, nest_args(tmp_path, arch, two))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    r0, r1 = _json(log0), _json(log1)
+    assert r1["rank"] == 1 and "rank" not in r0  # rank 0 saves and reports
+    a, b = load(one), load(two)
+    assert type(b).__name__ == type(a).__name__ and not parallel.is_sharded(b)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
+    start = tiny_model(arch, task="classifier" if arch == "bert" else "auto")  # SVD: the factors before training
+    nsn.nest(start)
+    before = {f"{path}.{n}": t for path, m in nsn.nested_linears(start).items() for n, t in m.named_parameters()}
+    after = dict(b.named_parameters())
+    assert max((after[n] - t).abs().max().item() for n, t in before.items()) > 1e-3  # the training moved them
+    assert [h["method"] for h in b._mlpsurgery_history] == [h["method"] for h in a._mlpsurgery_history]
+    assert not os.path.exists(two + ".ckpt")  # the checkpoint was removed after the save
+
+
+def test_nest_reports_the_shards_bytes(tmp_path):
+    import contextlib
+    import io
+
+    from mlpsurgery.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(nest_args(tmp_path, "llama", str(tmp_path / "one"))) == 0
+    one = json.loads(buf.getvalue())["train"]["memory"]
+    (c0, log0), (c1, log1) = ranks(tmp_path, nest_args(tmp_path, "llama", str(tmp_path / "two")))
+    assert (c0, c1) == (0, 0), log0[-3000:]
+    for log in (log0, log1):
+        mem = _json(log)["train"]["memory"]
+        assert mem["world_size"] == 2 and one["world_size"] == 1
+        for key in ("model_param_bytes", "param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert 0.45 < mem[key] / one[key] < 0.6, (key, mem[key], one[key])
+        assert one["optimizer_bytes"] == 2 * one["param_bytes"] == 2 * one["grad_bytes"]  # AdamW: two moments
+
+
+@pytest.mark.parametrize("argv_extra,message", [
+    (["--batch-size", "3"], "does not split evenly over 2 ranks"),
+    (["--train-steps", "0"], "give --train-steps"),
+])
+def test_bad_launches_are_refused_on_every_rank(tmp_path, argv_extra, message):
+    out = str(tmp_path / "two")
+    results = ranks(tmp_path, nest_args(tmp_path, "llama", out, *argv_extra))
+    for code, log in results:
+        assert code == 2 and message in log, log[-2000:]
+    assert not os.path.exists(out)
+
+
+# ---- fit itself: step-by-step equality, and a stop under two ranks resumed in one process ---------------
+
+STEPS, BATCH = 6, 4
+
+
+def _blocks():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, 200, (16, 24), generator=g)
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    model.train()
+    return model
+
+
+def _cfg(**kw):
+    return FitConfig(steps=STEPS, lr=3e-3, seed=0, clip=0.05, checkpoint_every=2, **kw)  # clip: it acts every step
+
+
+def _sharded_fit(ckpt: str, out: str, stop_at: int | None = None):
+    def target():
+        parallel.init("cpu")
+        model = _setup()
+        parallel.shard(model)
+        base = lm_loss(model, _blocks(), BATCH)
+
+        def loss_fn(step):
+            if stop_at is not None and step == stop_at:
+                raise KeyboardInterrupt
+            return base(step)
+
+        try:
+            res = fit(trainable(model), loss_fn, _cfg(), checkpoint_dir=ckpt, progress=False)
+        except KeyboardInterrupt:
+            return 0
+        parallel.unshard(model)
+        if parallel.world()[0] == 0:
+            torch.save({"history": res.history, "state": model.state_dict()}, out)
+        return 0
+
+    return target
+
+
+def test_fit_sharded_equals_one_process_step_by_step(tmp_path):
+    model = _setup()
+    ref = fit(trainable(model), lm_loss(model, _blocks(), BATCH), _cfg(), progress=False)
+    results = run_ranks(tmp_path, _sharded_fit(str(tmp_path / "ck"), str(tmp_path / "two.pt")))
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    for a, b in zip(ref.history, two["history"]):
+        assert a["step"] == b["step"]
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * a["grad_norm"]
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(two["state"][name], p, rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_a_run_stopped_under_two_ranks_resumes_in_one_process(tmp_path):
+    model = _setup()
+    ref = fit(trainable(model), lm_loss(model, _blocks(), BATCH), _cfg(), progress=False)
+    ckpt = str(tmp_path / "ck")
+    results = run_ranks(tmp_path, _sharded_fit(ckpt, str(tmp_path / "unused.pt"), stop_at=3))
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:]
+    assert os.path.isfile(os.path.join(ckpt, "state.json"))  # the step-2 checkpoint is there
+    again = _setup()
+    res = fit(trainable(again), lm_loss(again, _blocks(), BATCH), _cfg(), checkpoint_dir=ckpt, progress=False)
+    assert res.resumed_from == 2
+    for a, b in zip(ref.history, res.history):
+        assert abs(a["loss"] - b["loss"]) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
