@@ -166,3 +166,54 @@ def test_a_run_stopped_under_two_ranks_resumes_in_one_process(tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-5
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
+
+
+# ---- DLR-Lock: phase 1 split by layer over the ranks, phase 2 sharded -----------------------------------
+
+
+def lock_args(tmp_path, out: str, *extra: str) -> list[str]:
+    (tmp_path / "t.txt").write_text(TEXT)
+    return ["lock", "dlr", "tiny:llama", "--out", out, "--rank", "4", "--calib-blocks", "8", "--block-len", "32",
+            "--phase1-steps", "6", "--phase1-tokens", "64", "--phase1-hard-fraction", "0", "--onpolicy-steps", "3",
+            "--no-compile", "--phase2-steps", "4", "--phase2-blocks", "8", "--phase2-batch", "2", "--top-k", "4",
+            "--eval-tokens", "256", "--data", str(tmp_path / "t.txt"), "--json", "--quiet", *extra]
+
+
+def test_lock_dlr_over_two_ranks_equals_one_process(tmp_path):
+    import contextlib
+    import io
+
+    from mlpsurgery.cli import main
+    from mlpsurgery.modules.dlr import DLRNet
+    from mlpsurgery.sites import find_sites
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(lock_args(tmp_path, str(tmp_path / "one"))) == 0
+    one = json.loads(buf.getvalue())
+    work = tmp_path / "work"
+    (c0, log0), (c1, log1) = ranks(tmp_path, lock_args(tmp_path, str(tmp_path / "two"), "--workdir", str(work)))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    two = _json(log0)
+    assert two["world_size"] == 2 and _json(log1)["rank"] == 1
+    # each rank distilled its share of the layers, in a folder of its own
+    for r, layers in ((0, [0]), (1, [1])):
+        stage = json.loads((work / f"rank{r}-of-2" / "phase1.stage.json").read_text())
+        assert stage["done"] and stage["settings"]["layers"] == layers
+    rep1, rep2 = one["report"], two["report"]
+    assert rep2["layers"] == rep1["layers"] == [0, 1]
+    for key in ("phase1_relative_error", "onpolicy_relative_error", "phase2_relative_error"):
+        for layer, err in rep1[key].items():
+            assert abs(rep2[key][layer] - err) < 1e-4 * max(1.0, err), (key, layer)
+    a, b = load(str(tmp_path / "one")), load(str(tmp_path / "two"))
+    assert all(isinstance(s.module, DLRNet) for s in find_sites(b).mlp)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=name)
+    assert abs(two["heldout_ratio"] - one["heldout_ratio"]) < 1e-3
+
+
+def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
+    out = str(tmp_path / "two")
+    for code, log in ranks(tmp_path, lock_args(tmp_path, out, "--layers", "0")):
+        assert code == 2 and "2 ranks for 1 locked layers" in log, log[-2000:]
+    assert not os.path.exists(out)

@@ -121,7 +121,8 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
     dtype: storage precision (bfloat16 halves the disk; the forward itself runs in the model's dtype).
     replace: {layer: fn} runs a student in the stream: y is still the sub-block's own output on the x it sees, but
     what flows on is x + fn(x) (fn: float32 (tokens, d) -> delta), so later layers see the inputs the students
-    before them produce (on-policy pairs). tag names the students in the resume fingerprint (e.g. their digest).
+    before them produce (on-policy pairs); a layer may have a student without being captured (another process
+    captures it). tag names the students in the resume fingerprint (e.g. their digest).
     """
     sites = find_sites(model)
     layers = list(range(len(sites))) if layers is None else sorted(set(layers))
@@ -162,11 +163,14 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         return hook
 
     def post_hook(i):
+        kept = i in layers
+
         def hook(mod, args, out):
             delta = out[0] if isinstance(out, tuple) else out
-            x = store[f"x.{i}"]
-            store[f"y.{i}"] = (x + delta.detach().reshape(-1, cap.d)).to(dtype=dtype, device="cpu").contiguous()
-            store[f"x.{i}"] = x.to(dtype=dtype, device="cpu").contiguous()
+            x = store[f"x.{i}"] if kept else store.pop(f"x.{i}")
+            if kept:
+                store[f"y.{i}"] = (x + delta.detach().reshape(-1, cap.d)).to(dtype=dtype, device="cpu").contiguous()
+                store[f"x.{i}"] = x.to(dtype=dtype, device="cpu").contiguous()
             if i == last:
                 raise _StopForward
             if replace and i in replace:
@@ -176,7 +180,7 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
 
     handles = []
     try:
-        for i in layers:
+        for i in sorted(set(layers) | {j for j in (replace or {}) if j < last}):
             handles.append(sites.mlp[i].entry.register_forward_pre_hook(pre_hook(i)))
             handles.append(sites.mlp[i].exit.register_forward_hook(post_hook(i)))
         todo = [k for k in range(n_chunks) if k not in done]

@@ -110,6 +110,31 @@ def same_on_every_rank(what: str, value: Any) -> None:
                               "command and files")
 
 
+def share(items: list) -> list:
+    """This rank's share of `items` (every world-th one, from its rank on); all of them without a process group."""
+    rank, size = world()
+    return list(items)[rank::size]
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable; tensors travel on the CPU), in rank order; [obj] without a process group."""
+    import torch.distributed as dist
+
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if world()[1] > 1:
+        dist.barrier()
+
+
 # --------------------------------------------------------------------------------------------------
 # FSDP2
 

@@ -18,21 +18,34 @@ DEFAULT_DATA = "austen+r8-train"
 
 
 def run_lock(args) -> dict:
+    from .. import parallel
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, remove_ours
     from ..io import check_out, save
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
     from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
+    from ..methods.dlr_lock.distributed import check_ranks
     from ..models import check_context, load_model
 
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     inputs = [args.model, args.data, args.second_corpus]
-    check_out(out, args.overwrite, inputs=inputs + [work])
-    check_state(work, inputs=inputs + [out], what="work")
+    device = device_of(args)
+    if parallel.launched():  # torchrun: phase 1 split by layer over the ranks, phase 2 sharded (FSDP2)
+        device = parallel.rank_device(device)
+        parallel.init(device)
+    rank, world = parallel.world()
+    if rank != 0:
+        args.quiet = True  # rank 0 shows the stages and progress
+
+    def claims():  # rank 0's; every rank hears of a refusal
+        check_out(out, args.overwrite, inputs=inputs + [work])
+        check_state(work, inputs=inputs + [out], what="work")
+
+    parallel.on_rank0(claims)
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model)
-    model, tok = loaded.model.to(device_of(args)), loaded.require_tokenizer()
+    model, tok = loaded.model.to(device), loaded.require_tokenizer()
     cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
                     calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
                     phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
@@ -48,7 +61,7 @@ def run_lock(args) -> dict:
         _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
         cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
     cfg.validate()
-    plan(model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
+    check_ranks(plan(model, cfg)[0])  # the layer selection and the model's MLPs are checked before anything is written
     check_context(model, cfg.block_len)
     vocab = getattr(model.config, "vocab_size", None)
     if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
@@ -69,7 +82,7 @@ def run_lock(args) -> dict:
     block = default_block_len(model)
 
     def measure(stage: str):
-        if not (causal and args.eval_tokens):
+        if not (causal and args.eval_tokens) or rank != 0:  # rank 0 measures (the others go on to the next gather)
             return
         row = {"heldout": perplexity(model, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
                                      progress=not args.quiet, bos_id=corpus.bos).ppl}
@@ -80,19 +93,21 @@ def run_lock(args) -> dict:
         evals[stage] = row
 
     # The work folder belongs to this model: its stages also record their own settings.
-    claim(work, "dlr-work", {"model": model_fingerprint(model)}, inputs=inputs + [out])
+    parallel.on_rank0(lambda: claim(work, "dlr-work", {"model": model_fingerprint(model)}, inputs=inputs + [out]))
     measure("original")
     t0 = time.perf_counter()
     report = dlr_lock(model, calib, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
                       on_phase1=lambda m: measure("phase1"))
     seconds = time.perf_counter() - t0
+    if rank != 0:  # rank 0 measures, saves and reports
+        return {"rank": rank, "world_size": world, "seconds": seconds}
     measure("phase2")
     stage(args, f"saving to {out}")
     save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
     kept = args.keep_work or args.workdir is not None  # a folder the user named is theirs to remove
     if not kept:
         remove_ours(work)
-    res = {"out": str(out), "model": loaded.source, "config": cfg.__dict__, "report": report.as_dict(),
+    res = {"out": str(out), "model": loaded.source, "world_size": world, "config": cfg.__dict__, "report": report.as_dict(),
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
            "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
     if "original" in evals and "phase2" in evals:
@@ -101,6 +116,8 @@ def run_lock(args) -> dict:
 
 
 def render_lock(r: dict) -> str:
+    if "out" not in r:  # a torchrun rank other than 0
+        return f"rank {r['rank']} of {r['world_size']} done"
     rep = r["report"]
     lines = [f"locked {len(rep['layers'])} MLPs of {r['model']} -> {r['out']}",
              f"  DLR-Nets: rank {rep['rank']}, depth {rep['depth']} ({rep['params_dlr']} parameters each vs "

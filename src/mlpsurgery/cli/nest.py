@@ -92,7 +92,8 @@ def run_nest(args) -> dict:
     device = device_of(args)
     if parallel.launched():  # torchrun --nproc-per-node N: the training is sharded over the ranks (FSDP2)
         device = parallel.rank_device(device)
-        parallel.init(device)
+        if parallel.init(device)[0] != 0:
+            args.quiet = True  # rank 0 shows the stages and progress
     out = nsn.nest_model(words[0] if words else None, args.out, cfg, train, data=args.data, batch_size=args.batch_size,
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
                          overwrite=args.overwrite, device=device, progress=progress(args))

@@ -93,3 +93,39 @@ class PeakTracker(TorchDispatchMode):
                     self.region_peak = max(self.region_peak, self.current)
                     self._refs.append(weakref.ref(st, lambda _, p=ptr, n=n: self._release(p, n)))
         return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The process's resident memory (Linux): the kernel's high-water mark, resettable so one stage can be measured
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count of this process at its current RSS (Linux: /proc/self/clear_refs);
+    False where that is not possible (then `peak_rss` is the peak since the process started)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """Peak resident memory of this process in bytes since it started or since `reset_peak_rss` (VmHWM)."""
+    found = _status_bytes("VmHWM")
+    if found is not None:
+        return found
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

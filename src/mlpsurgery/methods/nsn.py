@@ -409,6 +409,7 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     plain again afterwards; task_loss must then take this rank's rows (lm_loss / classifier_loss do)."""
     from .. import parallel
     from ..files import model_fingerprint
+    from ..measure.memory import peak_rss, reset_peak_rss
 
     cfg = cfg or NSNTrainConfig()
     top = max_rank(model)
@@ -438,6 +439,8 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
         named = dict(model.named_parameters())
         params = {n: named.get(n, p) for n, p in params.items()}  # the sharded ones (log_var stays plain)
     model_bytes = parallel.local_bytes(model.parameters())
+    before = peak_rss()  # loading and nesting
+    reset_peak_rss()
     res = fit(params, objective.loss_fn(model, task_loss), cfg.fit, checkpoint_dir=checkpoint_dir, progress=progress,
               desc=desc, optimizer_groups=groups, settings=identity)
     parallel.unshard(model)
@@ -449,7 +452,8 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
            log_var={str(k): v for k, v in log_var.items()}, updates={str(k): v for k, v in updates.items()})
     return TrainResult(ranks=ranks, anchor=objective.anchor, log_var=log_var, updates=updates, history=res.history,
                        steps=res.steps, resumed_from=res.resumed_from, seconds=res.seconds,
-                       memory={"model_param_bytes": model_bytes, **res.memory})
+                       memory={"model_param_bytes": model_bytes, **res.memory, "peak_rss_before_bytes": before,
+                               "peak_rss_training_bytes": peak_rss()})
 
 
 def learned_log_variances(model: nn.Module) -> dict[int, float]:
@@ -791,7 +795,8 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                            "steps": res.steps,
                            "resumed_from": res.resumed_from, "seconds": res.seconds,
                            "final_loss": res.history[-1]["loss"] if res.history else None,
-                           "objective": train.objective, "sampling": train.sampling, "memory": res.memory}
+                           "objective": train.objective, "sampling": train.sampling, "memory": res.memory,
+                           "history": res.history}
     if rank != 0:  # rank 0 saves the trained model
         return {**result, "rank": rank, "world_size": world}
     stage(f"saving the nested model to {out}", progress)

@@ -126,6 +126,14 @@ class StackedDLR(nn.Module):
             z = z + self.alpha[:, l, None, None] * torch.bmm(a, self.U[:, l].transpose(1, 2))
         return z
 
+    def subset(self, idx: list[int]) -> "StackedDLR":
+        """The nets at positions `idx`, as a stack of their own (copies): what one rank trains of all the layers."""
+        out = StackedDLR(len(idx), self.d, self.rank, self.depth, self.eps)
+        with torch.no_grad():
+            for name in ("D", "U", "norm", "alpha"):
+                getattr(out, name).copy_(getattr(self, name)[idx])
+        return out.to(self.D.device)
+
     def unstack(self, i: int) -> DLRNet:
         net = DLRNet(self.d, self.rank, self.depth, self.eps)
         with torch.no_grad():

@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ... import parallel
 from ...capture import fingerprint, open_capture
 from ...io import record
 from ...modules.dlr import DLRNet
 from ...sites import find_sites
 from .captured import split_chunks
 from .config import DLRConfig, DLRReport
+from .distributed import all_nets, merge_reports
 from .modulewise import phase1
 from .logits import phase2, teacher_targets
 from .workdir import _finish, _save_stage_file, _stage, _stage_file
@@ -34,7 +36,11 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
     `workdir` holds everything needed to resume; the result is recorded in the model's history.
     on_phase1(model) is called once the phase-1 DLR-Nets are installed (e.g. to measure phase 1 alone)."""
     cfg.validate()
-    workdir = Path(workdir)
+    top = Path(workdir)
+    rank, world = parallel.world()
+    # under torchrun each rank keeps its own stages (its layers' captures and nets) in a folder of its own; phase 2's
+    # checkpoint, written by rank 0 and read by all, stays at the top
+    workdir = top if world == 1 else top / f"rank{rank}-of-{world}"
     model.eval()
     device = next(model.parameters()).device
     targets_path = workdir / "teacher.safetensors"
@@ -44,7 +50,7 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
         _save_stage_file(targets_path, teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress))
         _finish(workdir, "teacher")
     nets, report = phase1(model, calib_blocks, cfg, workdir, progress, device=device)
-    install(model, nets)
+    install(model, all_nets(nets))  # every rank's nets: each rank holds the whole locked model
     if on_phase1 is not None:
         on_phase1(model)
     if cfg.phase2_steps > 0:
@@ -54,12 +60,13 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
         _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], **before, **{k: getattr(cfg, k) for k in (
             "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
         targets = _stage_file(targets_path)
-        res = phase2(model, phase2_blocks, targets, cfg, workdir, progress)
+        res = phase2(model, phase2_blocks, targets, cfg, top, progress)
         _finish(workdir, "phase2")
         report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
         report.phase2_seconds = res.seconds
         report.phase2_tokens_per_step = cfg.phase2_batch * phase2_blocks.shape[1]
         report.phase2_relative_error = module_errors(model, workdir, report.layers, cfg)
+    report = merge_reports(report)
     record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
            phase1_steps=cfg.phase1_steps, onpolicy_steps=cfg.onpolicy_count, phase2_steps=cfg.phase2_steps,
            phase1_relative_error=report.phase1_relative_error,

@@ -8,12 +8,14 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ... import parallel
 from ...errors import MLPSurgeryError
 from ...measure.perplexity import is_causal_lm
 from ...modules.dlr import DLRNet
 from ...train import FitConfig, fit, step_rng
 from .config import DLRConfig
 from .losses import _rest_logsumexp, topk_kl
+from .onpolicy import digest
 
 
 @torch.no_grad()
@@ -64,9 +66,18 @@ def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DL
     nets = [m for _, m in _dlr_modules(model)]
     for m in nets:
         m.checkpoint = cfg.gradient_checkpointing
+    settings = None
+    if parallel.world()[1] > 1:  # under torchrun: FSDP, each rank its share of every batch
+        # the checkpoint, written by rank 0 and read by every rank, names the phase-1 nets it continues
+        settings = {"start": digest(nn.ModuleList(nets)), "world_size": parallel.world()[1]}
+        parallel.same_on_every_rank("phase-1 nets", settings["start"])
+        parallel.shard(model, device)
+        named = dict(model.named_parameters())
+        params = {n: named[n] for n in params}
 
     def loss_fn(step: int):
         idx = torch.randint(0, len(blocks), (cfg.phase2_batch,), generator=step_rng(cfg.seed + 7, step))
+        idx = parallel.rows(idx, model)
         ids = blocks[idx].to(device)
         if causal:
             logits = model(input_ids=ids).logits
@@ -80,9 +91,10 @@ def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DL
                      checkpoint_every=max(10, cfg.phase2_steps // 20))
     try:
         res = fit(params, loss_fn, fcfg, checkpoint_dir=workdir / "phase2_ckpt", progress=progress,
-                  desc="DLR phase 2 (logits)" if causal else "DLR phase 2 (hidden states)")
+                  desc="DLR phase 2 (logits)" if causal else "DLR phase 2 (hidden states)", settings=settings)
+        parallel.unshard(model)  # (every rank holds the trained model again)
     finally:
-        for m in nets:
+        for _, m in _dlr_modules(model):
             m.checkpoint = False
         for n, p in model.named_parameters():
             p.requires_grad_(frozen[n])

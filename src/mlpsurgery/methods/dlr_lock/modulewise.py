@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ... import parallel
 from ...capture import capture_mlp_io
 from ...io import atomic_write_text
 from ...modules.dlr import DLRNet, StackedDLR
@@ -17,6 +18,7 @@ from ...sites import find_sites
 from .batched import _compiled, _validate, history, train_batched
 from .captured import _CapturedSet, capture_batch, split_chunks
 from .config import DLRConfig, DLRReport, plan
+from .distributed import check_ranks, other_nets
 from .onpolicy import onpolicy
 from .start import closed_form_start, mlp_directions
 from .workdir import _finish, _save_stage_file, _stage, _stage_file
@@ -29,9 +31,10 @@ START_MAX_ERROR = 0.8
 
 
 def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _CapturedSet, cfg: DLRConfig,
-           workdir: Path, report: DLRReport, progress: bool) -> None:
+           workdir: Path, report: DLRReport, progress: bool, everything: list[int]) -> None:
     """The closed-form start (start.py), computed once: a resumed phase 1 reads it from the work folder (its
-    training checkpoints, when there are any, then replace it)."""
+    training checkpoints, when there are any, then replace it). everything: all locked layers (report.layers are
+    this rank's share of them): the random draws are made for all, so each layer starts as in one process."""
     path = workdir / "phase1_start.safetensors"
     meta = workdir / "phase1_start.json"
     if path.exists() and meta.exists():
@@ -40,7 +43,8 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
     else:
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(cfg.seed)
-        directions = [mlp_directions(model, i, net.depth * net.rank, g) for i in report.layers]
+        directions = [d for i, d in ((i, mlp_directions(model, i, net.depth * net.rank, g)) for i in everything)
+                      if i in report.layers]
         X, Y = train.first(cfg.start_tokens)
         with tqdm(total=net.n, desc="DLR closed-form start", unit="layer", disable=not progress) as bar:
             closed_form_start(net, X, Y, directions, cfg.start_ridge, bar)
@@ -48,7 +52,8 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
         heldout = _validate(net, val)
         worse = [j for j, e in enumerate(heldout.tolist()) if not e < START_MAX_ERROR]
         if worse:  # a start that brings a layer little nearer than the identity: that layer starts at the identity
-            fresh = StackedDLR(net.n, net.d, net.rank, net.depth, net.eps, seed=cfg.seed)
+            fresh = StackedDLR(len(everything), net.d, net.rank, net.depth, net.eps, seed=cfg.seed).subset(
+                [everything.index(i) for i in report.layers])
             with torch.no_grad():
                 for name in ("D", "U", "norm", "alpha"):
                     getattr(net, name)[worse] = getattr(fresh, name)[worse].to(getattr(net, name).device)
@@ -67,8 +72,11 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
            device: str | torch.device = "cpu") -> tuple[dict[int, DLRNet], DLRReport]:
     """Capture and module-wise distillation (the closed-form start, the steps on the original model's inputs, then
     the on-policy steps of onpolicy.py unless cfg.onpolicy_count is 0). Returns layer -> trained DLRNet and the
-    report."""
-    layers, depth, budget = plan(model, cfg)
+    report. Under torchrun each rank captures and trains its share of the layers (distributed.py) and returns its
+    nets; the on-policy capture runs every rank's phase-1 nets."""
+    everything, depth, budget = plan(model, cfg)
+    check_ranks(everything)
+    layers = parallel.share(everything)
     d = find_sites(model).config.hidden_size
     dtype = getattr(torch, cfg.capture_dtype)
     cap = capture_mlp_io(model, blocks, layers=layers, batch_size=capture_batch(len(blocks)),
@@ -76,7 +84,10 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
     train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
     train = _CapturedSet(cap, layers, train_chunks, cfg.memory_limit_gb)
     val = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
-    net = StackedDLR(len(layers), d, cfg.rank, depth, cfg.eps, seed=cfg.seed).to(device)
+    net = StackedDLR(len(everything), d, cfg.rank, depth, cfg.eps, seed=cfg.seed)
+    if layers != everything:  # this rank's share, initialised as in one process
+        net = net.subset([everything.index(i) for i in layers])
+    net = net.to(device)
     forward = _compiled(net) if cfg.compile else net
     done = workdir / "phase1.safetensors"
     report = DLRReport(layers=layers, depth=depth, rank=cfg.rank, params_mlp=budget,
@@ -102,7 +113,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
         report.start_identity_layers = meta.get("start_identity_layers", [])
     else:
         if cfg.phase1_start == "closed-form":
-            _start(model, net, train, val, cfg, workdir, report, progress)
+            _start(model, net, train, val, cfg, workdir, report, progress, everything)
         floor = train.median_update_energy().to(device) if cfg.phase1_loss == "token" else None
         res = train_batched(net, forward, lambda n, g: train.sample(n, g, cfg.phase1_hard_fraction), floor,
                             cfg.phase1_steps, cfg.phase1_lr, cfg.phase1_weight_decay, cfg.seed, cfg.phase1_tokens,
@@ -116,7 +127,8 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
             "start_identity_layers": report.start_identity_layers}))
         _finish(workdir, "phase1")
     if cfg.onpolicy_count > 0:
-        onpolicy(model, blocks, net, forward, train, val, cfg, workdir, settings, report, progress)
+        onpolicy(model, blocks, net, forward, train, val, cfg, workdir, settings, report, progress,
+                 others=other_nets(net, layers))
     rel = _validate(net, val)
     report.phase1_relative_error = {i: float(r) for i, r in zip(layers, rel)}
     nets = {i: net.unstack(j) for j, i in enumerate(layers)}

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ...capture import capture_mlp_io
 from ...io import atomic_write_text
-from ...modules.dlr import StackedDLR
+from ...modules.dlr import DLRNet, StackedDLR
 from .batched import _validate, history, train_batched
 from .captured import _CapturedSet, capture_batch, split_chunks
 from .config import DLRConfig, DLRReport
@@ -41,8 +41,9 @@ def digest(net: nn.Module) -> str:
 
 
 def capture_onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, layers: list[int], out_dir: Path,
-                     dtype: torch.dtype, progress: bool = True):
-    """(x', y') of every layer in `layers` with net's slice j running in place of layer layers[j]'s sub-block."""
+                     dtype: torch.dtype, progress: bool = True, others: dict[int, DLRNet] | None = None):
+    """(x', y') of every layer in `layers` with net's slice j running in place of layer layers[j]'s sub-block, and
+    `others` (layer -> net: the layers other ranks distil) in place of theirs."""
     students: dict[int, nn.Module] = {}  # unstacked on first use: reopening a finished capture copies no net
 
     def student(j: int, x: Tensor) -> Tensor:
@@ -50,9 +51,14 @@ def capture_onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, layers: 
             students[j] = net.unstack(j).to(net.D.device)
         return students[j]._delta(x)
 
+    replace = {i: (lambda x, j=j: student(j, x)) for j, i in enumerate(layers)}
+    tag = digest(net)
+    for i, other in sorted((others or {}).items()):
+        other = other.to(net.D.device)
+        replace[i] = lambda x, m=other: m._delta(x)
+        tag += f"|{i}:{digest(other)}"
     return capture_mlp_io(model, blocks, layers=layers, batch_size=capture_batch(len(blocks)), out_dir=out_dir,
-                          dtype=dtype, progress=progress, tag=digest(net),
-                          replace={i: (lambda x, j=j: student(j, x)) for j, i in enumerate(layers)})
+                          dtype=dtype, progress=progress, tag=tag, replace=replace)
 
 
 def mixed_sampler(teacher: _CapturedSet, onpol: _CapturedSet, mix: float, hard_fraction: float):
@@ -67,16 +73,18 @@ def mixed_sampler(teacher: _CapturedSet, onpol: _CapturedSet, mix: float, hard_f
 
 
 def onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, forward, train: _CapturedSet, val: _CapturedSet,
-             cfg: DLRConfig, workdir: Path, phase1_settings: dict, report: DLRReport, progress: bool) -> None:
+             cfg: DLRConfig, workdir: Path, phase1_settings: dict, report: DLRReport, progress: bool,
+             others: dict[int, DLRNet] | None = None) -> None:
     """Continue `net` (phase 1's result, trained in place) on the on-policy mix; a stage of its own in workdir,
-    resumable, refused when phase 1 or these settings differ."""
+    resumable, refused when phase 1 or these settings differ. others: the phase-1 nets of the layers other ranks
+    distil (under torchrun), in the stream with this rank's."""
     settings = {"phase1": phase1_settings, "onpolicy_steps": cfg.onpolicy_count, "onpolicy_mix": cfg.onpolicy_mix,
                 "onpolicy_lr": cfg.onpolicy_lr}
     done = workdir / "onpolicy.safetensors"
     layers = report.layers
     t0 = time.perf_counter()
     cap = capture_onpolicy(model, blocks, net, layers, workdir / "capture_onpolicy", getattr(torch, cfg.capture_dtype),
-                           progress)  # (resumable; a finished capture is only opened)
+                           progress, others)  # (resumable; a finished capture is only opened)
     train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)  # the same blocks as phase 1's
     val_on = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
     if _stage(workdir, "onpolicy", settings):
