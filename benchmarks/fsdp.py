@@ -1,12 +1,17 @@
-"""Sharded training (FSDP2 under torchrun) against one process, on a real model: `mlpsurgery nest` with training,
-run once as one process and once as `torchrun --nproc-per-node N`, the same global batch and seed.
+"""Training over torchrun ranks against one process, on a real model, the same settings and seed: run once as one
+process and once as `torchrun --nproc-per-node N`.
 
-Reported side by side: per process, the bytes of the model's parameters, of the trained parameters, their
-gradients and AdamW moments it held (its shard under FSDP), its peak resident memory (the kernel's), the wall
-time; the loss at every step of both runs and the largest difference between the two saved models' weights.
+--what nest: `mlpsurgery nest` with training (FSDP2). Per process: the bytes of the model's parameters, of the
+trained parameters, their gradients and AdamW moments it held (its shard under FSDP), its peak resident memory
+(the kernel's) before and during training, the wall time; the loss at every step of both runs and the largest
+difference between the two saved models' weights.
+--what lock-dlr: `mlpsurgery lock dlr` (phase 1 split by layer, phase 2 sharded; --phase1-hard-fraction 0, so
+that each layer's net is the one-process net). Per process: peak resident memory and wall time; the stage
+times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference.
 
-    python benchmarks/fsdp.py [--model smollm2] [--steps 8] [--ranks 2] --json docs/results/fsdp-smollm2.json \
-        --md docs/results/fsdp-smollm2.md
+    python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
+        --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
+    python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
     python benchmarks/fsdp.py --render docs/results/fsdp-smollm2.json     # the markdown again from the JSON
 
 One process gets OMP_NUM_THREADS = N and each rank 1, so both use the same cores.
@@ -57,7 +62,34 @@ def _max_diff(a: str, b: str) -> float:
         return max((p - q).abs().max().item() for p, q in zip(ma.parameters(), mb.parameters()))
 
 
+LOCK = ["--rank", "64", "--calib-blocks", "32", "--block-len", "128", "--phase1-steps", "40", "--phase1-tokens", "256",
+        "--phase1-hard-fraction", "0", "--onpolicy-steps", "10", "--phase2-steps", "6", "--phase2-blocks", "16",
+        "--phase2-batch", "4", "--eval-tokens", "2048", "--memory-gb", "4"]
+
+
+def render_lock(res: dict) -> str:
+    rows = ["| run | process | peak RSS | wall |", "|---|---|---|---|"]
+    for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
+                              (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])):
+        for p in procs:
+            rows.append(f"| {name} | rank {p['rank']} | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
+    a, b = res["report_one"], res["report_sharded"]
+    stages = ["| stage | one process | torchrun |", "|---|---|---|"]
+    for key in ("start_seconds", "phase1_seconds", "onpolicy_seconds", "phase2_seconds"):
+        stages.append(f"| {key.removesuffix('_seconds')} | {a[key]:.0f} s | {b[key]:.0f} s |")
+    err = lambda k: max(abs(a[k][i] - b[k][i]) for i in a[k])  # noqa: E731
+    return "\n".join([
+        f"`mlpsurgery lock dlr {res['model']} {' '.join(res['args'])}`; machine: {res['machine']}; torch {res['torch']}.",
+        "", *rows, "", *stages, "",
+        f"Held-out perplexity ratio: {res['ratio_one']:.4f} (one process) vs {res['ratio_sharded']:.4f} (torchrun).",
+        f"Largest per-layer difference of the held-out module error: phase 1 {err('phase1_relative_error'):.1e}, "
+        f"on-policy {err('onpolicy_relative_error'):.1e}, phase 2 {err('phase2_relative_error'):.1e}; largest "
+        f"difference between the two saved models' weights: {res['max_weight_diff']:.1e}."]) + "\n"
+
+
 def render(res: dict) -> str:
+    if res.get("what") == "lock-dlr":
+        return render_lock(res)
     mib = 2 ** 20
     rows = ["| run | process | model params | trained params | gradients | AdamW moments | peak RSS before training "
             "| peak RSS in training | wall |", "|---|---|---|---|---|---|---|---|---|"]
@@ -71,8 +103,9 @@ def render(res: dict) -> str:
                         f"{m['peak_rss_training_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
     one, two = res["one"][0]["memory"], res["sharded"][0]["memory"]
     held = lambda m: m["model_param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]  # noqa: E731
+    env = "".join(f"; {k}={v}" for k, v in (res.get("env") or {}).items())
     lines = [f"`{res['command']}` on {res['model']}, {res['steps']} steps of batch {res['batch_size']} x "
-             f"{res['block_len']} tokens; machine: {res['machine']}; torch {res['torch']}.", "", *rows, "",
+             f"{res['block_len']} tokens; machine: {res['machine']}; torch {res['torch']}{env}.", "", *rows, "",
              f"Per rank, parameters + gradients + AdamW moments: {held(two) / mib:.0f} MiB of {held(one) / mib:.0f} MiB "
              f"in one process ({held(two) / held(one):.2f}x).", "",
              "| step | loss, one process | loss, sharded | difference |", "|---|---|---|---|"]
@@ -82,8 +115,55 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _both(args, common: list[str], work: Path) -> tuple[list[dict], float, list[dict], float]:
+    """(one process's JSON objects, its wall seconds, the ranks' JSON objects, their wall seconds)."""
+    one, one_s = run([sys.executable, "-m", "mlpsurgery", *common, "--out", str(work / "one")], args.ranks)
+    sharded, sharded_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "sharded")], 1)
+    return one, one_s, sharded, sharded_s
+
+
+def _machine() -> dict:
+    import torch
+
+    return {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}  # glibc's allocator settings
+
+
+def bench_lock(args, work: Path) -> dict:
+    common = ["lock", "dlr", args.model, *LOCK, "--json", "--quiet"]
+    one, one_s, sharded, sharded_s = _both(args, common, work)
+    main0 = next(o for o in sharded if "out" in o)
+    return {"what": "lock-dlr", "model": args.model, "args": LOCK, "ranks": args.ranks, **_machine(),
+            "one_seconds": one_s, "sharded_seconds": sharded_s,
+            "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"]}],
+            "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"]} for o in sharded),
+                              key=lambda p: p["rank"]),
+            "report_one": one[0]["report"], "report_sharded": main0["report"],
+            "ratio_one": one[0]["heldout_ratio"], "ratio_sharded": main0["heldout_ratio"],
+            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+
+
+def bench_nest(args, work: Path) -> dict:
+    common = ["nest", args.model, "--train-steps", str(args.steps), "--batch-size", str(args.batch_size),
+              "--block-len", str(args.block_len), "--json", "--quiet"]
+    one, one_s, sharded, sharded_s = _both(args, common, work)
+    procs = sorted(({"rank": o.get("rank", 0), "memory": o["train"]["memory"]} for o in sharded),
+                   key=lambda p: p["rank"])
+    main0 = next(o for o in sharded if "rank" not in o)
+    return {"what": "nest", "model": args.model, "steps": args.steps, "ranks": args.ranks,
+            "batch_size": args.batch_size, "block_len": args.block_len,
+            "command": "mlpsurgery " + " ".join(common[:1] + common[1:2] + ["..."]), **_machine(),
+            "one": [{"rank": 0, "memory": one[0]["train"]["memory"]}], "sharded": procs,
+            "one_seconds": one_s, "sharded_seconds": sharded_s,
+            "loss_one": [{"step": h["step"], "loss": h["loss"]} for h in one[0]["train"]["history"]],
+            "loss_sharded": [{"step": h["step"], "loss": h["loss"]} for h in main0["train"]["history"]],
+            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--what", choices=["nest", "lock-dlr"], default="nest")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -96,26 +176,9 @@ def main() -> None:
     if args.render:
         print(render(json.loads(Path(args.render).read_text())), end="")
         return
-    import torch
-
     work = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     try:
-        common = ["nest", args.model, "--train-steps", str(args.steps), "--batch-size", str(args.batch_size),
-                  "--block-len", str(args.block_len), "--json", "--quiet"]
-        one, one_s = run([sys.executable, "-m", "mlpsurgery", *common, "--out", str(work / "one")], args.ranks)
-        sharded, sharded_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "sharded")], 1)
-        procs = sorted(({"rank": o.get("rank", 0), "memory": o["train"]["memory"]} for o in sharded),
-                       key=lambda p: p["rank"])
-        main0 = next(o for o in sharded if "rank" not in o)
-        res = {"model": args.model, "steps": args.steps, "ranks": args.ranks, "batch_size": args.batch_size,
-               "block_len": args.block_len, "command": "mlpsurgery " + " ".join(common[:1] + common[1:2] + ["..."]),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-               "one": [{"rank": 0, "memory": one[0]["train"]["memory"]}], "sharded": procs,
-               "one_seconds": one_s, "sharded_seconds": sharded_s,
-               "loss_one": [{"step": h["step"], "loss": h["loss"]} for h in one[0]["train"]["history"]],
-               "loss_sharded": [{"step": h["step"], "loss": h["loss"]} for h in main0["train"]["history"]],
-               "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+        res = (bench_lock if args.what == "lock-dlr" else bench_nest)(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = render(res)

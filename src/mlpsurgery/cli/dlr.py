@@ -22,6 +22,7 @@ def run_lock(args) -> dict:
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, remove_ours
     from ..io import check_out, save
+    from ..measure.memory import peak_rss
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
     from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
     from ..methods.dlr_lock.distributed import check_ranks
@@ -100,14 +101,15 @@ def run_lock(args) -> dict:
                       on_phase1=lambda m: measure("phase1"))
     seconds = time.perf_counter() - t0
     if rank != 0:  # rank 0 measures, saves and reports
-        return {"rank": rank, "world_size": world, "seconds": seconds}
+        return {"rank": rank, "world_size": world, "seconds": seconds, "peak_rss_bytes": peak_rss()}
     measure("phase2")
     stage(args, f"saving to {out}")
     save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
     kept = args.keep_work or args.workdir is not None  # a folder the user named is theirs to remove
     if not kept:
         remove_ours(work)
-    res = {"out": str(out), "model": loaded.source, "world_size": world, "config": cfg.__dict__, "report": report.as_dict(),
+    res = {"out": str(out), "model": loaded.source, "world_size": world, "peak_rss_bytes": peak_rss(),
+           "config": cfg.__dict__, "report": report.as_dict(),
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
            "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
     if "original" in evals and "phase2" in evals:

@@ -66,10 +66,10 @@ def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DL
     nets = [m for _, m in _dlr_modules(model)]
     for m in nets:
         m.checkpoint = cfg.gradient_checkpointing
-    settings = None
+    # the checkpoint names the phase-1 nets it continues (under torchrun rank 0 writes it and every rank reads it;
+    # it resumes with any number of ranks, since the batch of a step is the same)
+    settings = {"start": digest(nn.ModuleList(nets))}
     if parallel.world()[1] > 1:  # under torchrun: FSDP, each rank its share of every batch
-        # the checkpoint, written by rank 0 and read by every rank, names the phase-1 nets it continues
-        settings = {"start": digest(nn.ModuleList(nets)), "world_size": parallel.world()[1]}
         parallel.same_on_every_rank("phase-1 nets", settings["start"])
         parallel.shard(model, device)
         named = dict(model.named_parameters())
