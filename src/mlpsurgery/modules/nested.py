@@ -152,7 +152,7 @@ class NestedLinear(SurgeryModule):
 
 
 # --------------------------------------------------------------------------------------------------
-# Rank control over many layers: what methods/nsn.py does through the sites, and what a saved folder's
+# Rank control over many layers: what methods/nsn/ranks.py does through the sites, and what a saved folder's
 # generated model class does with transformers alone (set_rank / set_budget on the loaded model).
 
 

@@ -1,0 +1,118 @@
+"""NSN surgery: every chosen projection becomes a NestedLinear initialised by SVD (exact at full rank)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from ...errors import MLPSurgeryError
+from ...io import record
+from ...modules.nested import NestedLinear
+from ...sites import find_sites, linear_weight, parse_layers
+
+MODULE_CHOICES = ("mlp", "mlp+attn")
+
+
+@dataclass
+class NSNConfig:
+    """What `nest` replaces.
+
+    max_rank: R, components kept per projection; None keeps min(in, out) (exact at full rank). A value
+        above a projection's min(in, out) is capped there (more components add nothing).
+    modules: "mlp" (every MLP projection; Phi-3's fused gate_up is one projection) or "mlp+attn"
+        (also q/k/v/o, or the fused qkv).
+    layers: which transformer layers ("all", "0-5", "last2/3", ...).
+    """
+
+    max_rank: int | None = None
+    modules: str = "mlp"
+    layers: str = "all"
+
+
+class _Slot:
+    """One projection reachable through the sites layer: where it sits (layer index, role) and how to swap it."""
+
+    def __init__(self, site, role: str, module: nn.Module, owner: nn.Module | None = None):
+        self.site, self.role, self.module, self._owner = site, role, module, owner
+
+    @property
+    def index(self) -> int:
+        return self.site.index
+
+    def replace(self, new: nn.Module) -> None:
+        if self._owner is None:
+            self.site.replace_linear(self.role, new)
+        else:  # a projection inside a module that replaced the MLP (fused or dense MLPs hold stock linears)
+            setattr(self._owner, self.role.rpartition(".")[2], new)
+
+
+def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None = None) -> Iterator[_Slot]:
+    """Every projection reachable through the sites layer (and the stock linears inside a replaced MLP)."""
+    sites = find_sites(model)
+    chosen = range(len(sites)) if layers is None else layers
+    for i in chosen:
+        mlp = sites.mlp[i]
+        # a whole-MLP replacement (fused / dense MLP, DLR-Net): its slot holds something that is not a projection
+        single = (nn.Linear, Conv1D, NestedLinear) if mlp.spec.mlp_layout != "module" else ()
+        if mlp.replaced and not isinstance(mlp.module, (nn.Identity, *single)):
+            found = [(name, m) for name, m in mlp.module.named_modules()
+                     if isinstance(m, (nn.Linear, Conv1D, NestedLinear))]
+            if not found:
+                raise MLPSurgeryError(f"layer {i}: the MLP was replaced by {type(mlp.module).__name__}, which has no "
+                                      "linear projections to nest; nest before that surgery")
+            for name, m in found:
+                parent = name.rpartition(".")[0]
+                yield _Slot(mlp, name, m, mlp.module.get_submodule(parent) if parent else mlp.module)
+        else:
+            try:
+                parts = mlp.linears()
+            except AttributeError:
+                raise MLPSurgeryError(f"layer {i}: the MLP was replaced by {type(mlp.module).__name__}, which has no "
+                                      "stock projections to nest; nest before that surgery") from None
+            yield from (_Slot(mlp, role, m) for role, m in parts.items())
+        if modules == "mlp+attn":
+            yield from (_Slot(sites.attn[i], role, m) for role, m in sites.attn[i].linears().items())
+
+
+def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False) -> nn.Module:
+    """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
+    progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections)."""
+    from tqdm.auto import tqdm
+
+    cfg = cfg or NSNConfig()
+    if cfg.modules not in MODULE_CHOICES:
+        raise MLPSurgeryError(f"modules must be one of {', '.join(MODULE_CHOICES)}, not {cfg.modules!r}")
+    if cfg.max_rank is not None and cfg.max_rank < 1:
+        raise MLPSurgeryError(f"max_rank must be at least 1, not {cfg.max_rank}")
+    layers = parse_layers(cfg.layers, len(find_sites(model)))
+    slots = list(_slots(model, cfg.modules, layers))
+    done = [f"layer {s.index} {s.role}" for s in slots if isinstance(s.module, NestedLinear)]
+    if done:
+        raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
+                              "with set_rank / `mlpsurgery nest rank` instead")
+    for slot in tqdm(slots, desc="SVD", unit="projection", disable=not progress):
+        weight, bias = linear_weight(slot.module)
+        R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
+        slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
+    record(model, "nsn", asdict(cfg), projections=len(slots))
+    return model
+
+
+def nested_linears(model: nn.Module) -> dict[str, NestedLinear]:
+    """path -> NestedLinear, in module order (works on any PyTorch model)."""
+    return {p: m for p, m in model.named_modules() if isinstance(m, NestedLinear)}
+
+
+def _require_nested(model: nn.Module) -> dict[str, NestedLinear]:
+    layers = nested_linears(model)
+    if not layers:
+        raise MLPSurgeryError("the model has no NestedLinear layers: apply mlpsurgery.nest (or `mlpsurgery nest`) "
+                              "first")
+    return layers
+
+
+def max_rank(model: nn.Module) -> int:
+    return max(m.max_rank for m in _require_nested(model).values())
