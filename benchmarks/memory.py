@@ -7,6 +7,8 @@ mlpsurgery's CLI, torch and transformers. Columns: peak RSS, peak minus the base
 multiple of the weights' bytes in the dtype the command ran in.
 
     python benchmarks/memory.py [--model smollm2] --json docs/results/memory-smollm2.json --md docs/results/memory-smollm2.md
+    python benchmarks/memory.py --synthetic 2e9 --dtypes bfloat16 --only inspect,fuse,lock,unlock,export \
+        --json docs/results/memory-synthetic-2b.json --md docs/results/memory-synthetic-2b.md
 
 Threads are pinned (OMP_NUM_THREADS=2) so that runs are comparable; the numbers do not depend on timing.
 """
@@ -91,15 +93,17 @@ def cpu_name() -> str:
     return f"{name}, {'with' if bf16 else 'no'} bfloat16 instructions"
 
 
-def commands(model: str, dtype: str, work: Path) -> list[tuple[str, list[str]]]:
+def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: str = "fusion"
+             ) -> list[tuple[str, list[str]]]:
     """(label, argv) of every command measured, in the order they run (unlock and export use earlier outputs)."""
     d = ["--dtype", dtype]
     w = work / dtype
+    how = [] if fuse_method == "fusion" else ["--method", fuse_method]
     return [
         ("inspect", ["inspect", model, *d]),
         ("eval ppl (8k tokens)", ["eval", "ppl", model, *d, "--max-tokens", "8192"]),
-        ("fuse --width 768 --layers all", ["fuse", model, *d, "--width", "768", "--layers", "all",
-                                           "--out", str(w / "fused")]),
+        (f"fuse {' '.join(how + [''])}--width {width} --layers all", ["fuse", model, *d, *how, "--width", str(width),
+                                                                      "--layers", "all", "--out", str(w / "fused")]),
         ("prune wanda 50%", ["prune", model, *d, "--method", "wanda", "--sparsity", "0.5", "--out", str(w / "wanda")]),
         ("prune sparsegpt 50%", ["prune", model, *d, "--method", "sparsegpt", "--sparsity", "0.5",
                                  "--out", str(w / "sparsegpt")]),
@@ -129,6 +133,10 @@ def render(result: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--synthetic", type=float, metavar="N",
+                   help="instead of --model: a random-weight llama of about N parameters (e.g. 2e9), bfloat16, written "
+                        "as 1 GB safetensors shards to a temporary folder (SmolLM2's tokenizer); fuse keeps neurons "
+                        "by norm (k-means at this size would take hours here)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--only", help="comma-separated labels' first words to run (e.g. lock,unlock)")
     p.add_argument("--json", dest="json_out")
@@ -139,16 +147,30 @@ def main() -> None:
         Path(args.md).write_text(render(json.loads(Path(args.render).read_text())))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    info = json.loads(subprocess.run(EXE + ["inspect", args.model, "--json", "--quiet"], env=env, check=True,
-                                     capture_output=True, text=True).stdout)
-    n_params = info["params"]["total"]
-    base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
-    rows = []
     work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
+    model, fuse_method, shown = args.model, "fusion", args.model
+    if args.synthetic:
+        from mlpsurgery.models import smollm2_dir
+        from mlpsurgery.tiny import synthetic_llama_config, write_synthetic
+
+        model = str(work / "synthetic")
+        t0 = time.perf_counter()
+        count = write_synthetic(model, args.synthetic, tokenizer_from=smollm2_dir())
+        cfg = synthetic_llama_config(args.synthetic)
+        shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {cfg.hidden_size}, MLP "
+                 f"{cfg.intermediate_size}, {cfg.num_hidden_layers} layers; bfloat16 shards of 1 GB, written in "
+                 f"{time.perf_counter() - t0:.0f} s)")
+        fuse_method = "neuron"
+    rows = []
     try:
+        info = json.loads(subprocess.run(EXE + ["inspect", model, "--json", "--quiet"], env=env, check=True,
+                                         capture_output=True, text=True).stdout)
+        n_params = info["params"]["total"]
+        width = info["mlp_inner_width"] // 2 if args.synthetic else 768
+        base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
         for dtype in args.dtypes.split(","):
             weights = n_params * (4 if dtype == "float32" else 2)
-            for label, argv in commands(args.model, dtype, work):
+            for label, argv in commands(model, dtype, work, width, fuse_method):
                 if args.only and label.split()[0] not in args.only.split(","):
                     continue
                 rss, secs, rc, at, anon = peak_rss(EXE + argv, env)
@@ -163,7 +185,7 @@ def main() -> None:
                       f"({secs:.0f} s, exit {rc}; peak during: {at})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"model": args.model, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
+    result = {"model": shown, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
               "machine": f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}",
               "python": platform.python_version(), "rows": rows}
     if args.json_out:

@@ -89,3 +89,79 @@ def tiny_model(arch: str, seed: int = 0, task: str = "auto", **overrides) -> T.P
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic models of real size: random weights written straight to sharded safetensors
+
+
+def synthetic_llama_config(n_params: float, vocab_size: int = 49152, d: int | None = None) -> T.LlamaConfig:
+    """A llama config (SwiGLU, grouped-query attention with 4 query heads per KV head, tied embeddings) of about
+    `n_params` parameters: width `d`, by default 2048 up to 1.5 B, 2560 up to 4 B, 4096 above; the depth fills
+    the rest."""
+    d = d or (2048 if n_params <= 1.5e9 else 2560 if n_params <= 4e9 else 4096)
+    heads = max(1, d // 64)
+    kv = max(1, heads // 4)
+    h = int(round(8 / 3 * d / 256)) * 256
+    per_layer = 2 * d * d + 2 * d * (kv * 64) + 3 * d * h + 2 * d
+    layers = max(1, int(round((n_params - vocab_size * d) / per_layer)))
+    return T.LlamaConfig(vocab_size=vocab_size, hidden_size=d, intermediate_size=h, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                         tie_word_embeddings=True, dtype="bfloat16")
+
+
+def write_synthetic(folder, n_params: float = 2e9, dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 1 << 30,
+                    tokenizer_from=None, seed: int = 0, vocab_size: int = 49152, d: int | None = None) -> int:
+    """Write a random-weight llama of about `n_params` parameters to `folder` as a transformers checkpoint:
+    config.json, model-0000k-of-0000n.safetensors shards of at most `shard_bytes` with their index, and the
+    tokenizer files of `tokenizer_from` (a folder; e.g. models.smollm2_dir(), whose vocabulary the config uses).
+    One shard is in memory at a time, never the model. Returns the parameter count. For benchmarks and tests of
+    memory at scale; its text is noise."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = synthetic_llama_config(n_params, vocab_size, d)
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in T.LlamaForCausalLM(cfg).state_dict().items()
+                  if n != "lm_head.weight"]  # tied to the embeddings
+    g = torch.Generator().manual_seed(seed)
+    groups: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    for name, shape in shapes:
+        nbytes = itemsize * int(torch.tensor(shape).prod())
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    weight_map, total, count = {}, 0, 0
+    for k, group in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {}
+        for name, shape in group:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+            shard[name] = t
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+            count += t.numel()
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        del shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}, indent=1))
+    cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.save_pretrained(folder)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            src = Path(tokenizer_from) / name
+            if src.exists():
+                shutil.copy(src, folder / name)
+    return count
