@@ -150,16 +150,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
     model, fuse_method, shown = args.model, "fusion", args.model
     if args.synthetic:
-        from mlpsurgery.models import smollm2_dir
-        from mlpsurgery.tiny import synthetic_llama_config, write_synthetic
-
+        # written by a child process: this one must stay small, because a child's peak RSS (os.wait4) includes
+        # its parent's resident memory at the fork
         model = str(work / "synthetic")
         t0 = time.perf_counter()
-        count = write_synthetic(model, args.synthetic, tokenizer_from=smollm2_dir())
-        cfg = synthetic_llama_config(args.synthetic)
-        shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {cfg.hidden_size}, MLP "
-                 f"{cfg.intermediate_size}, {cfg.num_hidden_layers} layers; bfloat16 shards of 1 GB, written in "
-                 f"{time.perf_counter() - t0:.0f} s)")
+        code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
+                "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
+                "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
+                "c = synthetic_llama_config(float(sys.argv[2])); "
+                "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
+        count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, model, str(args.synthetic)],
+                                                       env=env, check=True, capture_output=True, text=True).stdout)
+        shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} "
+                 f"layers; bfloat16 shards of 1 GB, written in {time.perf_counter() - t0:.0f} s)")
         fuse_method = "neuron"
     rows = []
     try:
