@@ -491,3 +491,17 @@ def test_minilm_l1_key_breaks_it_random_does_not_and_unlock_is_exact(minilm, tmp
     assert similarity(rnd) > 0.8 > 0.6 > similarity(locked)  # measured: 0.88 and 0.42
     unlock_key(locked, roundtrip(key, locked, tmp_path, passphrase="pw"))
     assert identical(locked, minilm.model.state_dict())
+
+
+def test_extraction_positions_are_sorted_and_unique_with_or_without_the_fast_path():
+    # take() skips torch.unique for one strictly increasing part (a weight unit's tensor); every other case goes
+    # through unique: the result must always be what unique of the concatenation gives.
+    from mlpsurgery.methods.corelocker import ranking as rk
+
+    g = torch.Generator().manual_seed(0)
+    cases = [[torch.arange(0, 50, 3)], [torch.tensor([5, 1, 9])], [torch.tensor([1, 1, 2])], [torch.tensor([7])],
+             [torch.zeros(0, dtype=torch.long)], [torch.randint(0, 40, (30,), generator=g) for _ in range(3)],
+             [torch.arange(10), torch.arange(5, 15)]]
+    for parts in cases:
+        got = rk._sorted_unique([p.long() for p in parts])
+        assert torch.equal(got, torch.unique(torch.cat(parts).long())), parts
