@@ -149,23 +149,23 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
     model, fuse_method, shown = args.model, "fusion", args.model
-    if args.synthetic:
-        # written by a child process: this one must stay small, because a child's peak RSS (os.wait4) includes
-        # its parent's resident memory at the fork
-        model = str(work / "synthetic")
-        t0 = time.perf_counter()
-        code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
-                "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
-                "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
-                "c = synthetic_llama_config(float(sys.argv[2])); "
-                "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
-        count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, model, str(args.synthetic)],
-                                                       env=env, check=True, capture_output=True, text=True).stdout)
-        shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} "
-                 f"layers; bfloat16 shards of 1 GB, written in {time.perf_counter() - t0:.0f} s)")
-        fuse_method = "neuron"
     rows = []
-    try:
+    try:  # the temporary folder (and a synthetic model in it) is removed however the run ends
+        if args.synthetic:
+            # written by a child process: this one must stay small, because a child's peak RSS (os.wait4) includes
+            # its parent's resident memory at the fork
+            model = str(work / "synthetic")
+            t0 = time.perf_counter()
+            code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
+                    "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
+                    "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
+                    "c = synthetic_llama_config(float(sys.argv[2])); "
+                    "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
+            count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, model, str(args.synthetic)],
+                                                           env=env, check=True, capture_output=True, text=True).stdout)
+            shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} "
+                     f"layers; bfloat16 shards of 1 GB, written in {time.perf_counter() - t0:.0f} s)")
+            fuse_method = "neuron"
         info = json.loads(subprocess.run(EXE + ["inspect", model, "--json", "--quiet"], env=env, check=True,
                                          capture_output=True, text=True).stdout)
         n_params = info["params"]["total"]

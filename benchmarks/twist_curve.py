@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +36,8 @@ import mlpsurgery as ms
 from mlpsurgery.methods.pruning import block_fisher, calibrated_prune, fisher_subnet, layer_moments
 from mlpsurgery.methods.twist import TwISTConfig, checkpoint, make_layout, materialize, twist_extract, twist_train
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from twist_table1 import Cache  # noqa: E402  (results keyed by name, saved after every entry)
 
 
 def main() -> None:
@@ -57,16 +60,8 @@ def main() -> None:
     R = args.blocks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache_path = out / "results.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-
-    def get(key: str, fn):
-        if key not in cache:
-            t0 = time.time()
-            cache[key] = {**fn(), "seconds": time.time() - t0}
-            cache_path.write_text(json.dumps(cache, indent=1))
-            print(f"{key}: {cache[key]}", flush=True)
-        return cache[key]
+    cache = Cache(out / "results.json")
+    get = cache.get
 
     loaded = ms.load_model(args.model)
     corpus = ms.load_corpus(None, loaded.tokenizer)
@@ -77,8 +72,8 @@ def main() -> None:
     layers = cfg.layers(len(ms.find_sites(pretrained)))
 
     def ppl(model) -> dict:
-        r = ms.perplexity(model, corpus.heldout, block_len=min(512, args.block_len * 4), max_tokens=args.tokens, progress=False,
-                          bos_id=corpus.bos)
+        r = ms.perplexity(model, corpus.heldout, block_len=min(512, args.block_len * 4), max_tokens=args.tokens,
+                          progress=False, bos_id=corpus.bos)
         return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "params": sum(p.numel() for p in model.parameters())}
 
     # the reference lines: the pretrained model pruned in the same layers to the same MLP weights
@@ -122,22 +117,22 @@ def main() -> None:
         was = copy.deepcopy(model)  # the run itself restarts from the pretrained weights (its claim checks them)
         done, _, _ = checkpoint.resume(was, ckpt)
         last = min(done * cfg.interval, cfg.steps)
-        if done and (done % args.every == 0 or done == cfg.rounds) and f"twist/{last}/full" not in cache:
+        if done and (done % args.every == 0 or done == cfg.rounds) and f"twist/{last}/full" not in cache.data:
             evaluate(last, was)
         del was
     t0 = time.time()
 
     def on_round(rec: dict) -> None:
-        cache.setdefault("history", {})[str(rec["step"])] = {"loss": rec["loss"], "time_s": rec["time_s"]}
+        cache.data.setdefault("history", {})[str(rec["step"])] = {"loss": rec["loss"], "time_s": rec["time_s"]}
         if rec["round"] % args.every == 0 or rec["round"] == cfg.rounds:
             evaluate(rec["step"], model)
-        cache_path.write_text(json.dumps(cache, indent=1))
+        cache.path.write_text(json.dumps(cache.data, indent=1))
 
     res = twist_train(model, blocks, cfg, mode="masked", checkpoint_dir=ckpt, progress=True, callback=on_round)
     print(f"trained {res.steps} batches per worker in {res.seconds:.0f} s ({time.time() - t0:.0f} s this run)")
     result = {"model": args.model, "config": {**asdict(cfg), "layers": layers}, "train_seconds": res.seconds,
               "machine": f"{platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}",
-              "results": cache}
+              "results": cache.data}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if args.plot:

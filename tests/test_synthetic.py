@@ -4,8 +4,10 @@ command's round trip on them (lock key, unlock: bit for bit)."""
 
 import json
 
+import pytest
 import torch
 
+from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.models import load_model
 from mlpsurgery.tiny import VOCAB, byte_tokenizer, synthetic_llama_config, write_synthetic
 
@@ -18,6 +20,8 @@ def test_synthetic_checkpoint_is_sharded_loads_and_round_trips_a_key(tmp_path):
     byte_tokenizer().save_pretrained(tok)
     folder = tmp_path / "synthetic"
     count = write_synthetic(folder, 2e6, shard_bytes=400_000, tokenizer_from=tok, vocab_size=VOCAB, d=128)
+    with pytest.raises(MLPSurgeryError, match="not empty"):  # never over what is there
+        write_synthetic(folder, 2e6, tokenizer_from=tok, vocab_size=VOCAB, d=128)
     cfg = synthetic_llama_config(2e6, VOCAB, 128)
     assert 1.5e6 < count < 2.5e6 and cfg.num_hidden_layers >= 2
     index = json.loads((folder / "model.safetensors.index.json").read_text())

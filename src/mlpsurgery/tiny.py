@@ -118,12 +118,16 @@ def write_synthetic(folder, n_params: float = 2e9, dtype: torch.dtype = torch.bf
     One shard is in memory at a time, never the model. Returns the parameter count. For benchmarks and tests of
     memory at scale; its text is noise."""
     import json
+    import math
     import shutil
     from pathlib import Path
 
     from safetensors.torch import save_file
 
+    from .files import check_out
+
     folder = Path(folder)
+    check_out(folder, inputs=[tokenizer_from])  # never into a folder that holds anything (the user's files)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = synthetic_llama_config(n_params, vocab_size, d)
     with torch.device("meta"):
@@ -134,7 +138,7 @@ def write_synthetic(folder, n_params: float = 2e9, dtype: torch.dtype = torch.bf
     size = 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
     for name, shape in shapes:
-        nbytes = itemsize * int(torch.tensor(shape).prod())
+        nbytes = itemsize * math.prod(shape)
         if groups[-1] and size + nbytes > shard_bytes:
             groups.append([])
             size = 0
