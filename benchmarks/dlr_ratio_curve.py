@@ -1,14 +1,17 @@
 """DLR-Lock on SmolLM2: held-out perplexity ratio (locked / original) against distillation CPU time, from the
 committed `lock dlr --json` results, with a power-law extrapolation to the issue's targets.
 
-Points (all r = 64 / depth 36, 128 captured blocks, 256 tokens per layer per step, austen+r8-train, 2 threads;
+Points (all r = 64 / depth 36, austen+r8-train, 2 threads; the first five 128 captured blocks and 256 tokens per
+layer per step;
 x = the recorded stage seconds: closed-form start + phase 1 + on-policy + phase 2, without capture, teacher targets
 and evaluations):
 
-- phase 1 (900 steps) only, and + phase 2 (80 steps): docs/results/dlr-smollm2.json (the third run)
+- phase 1 (900 steps) only, and + phase 2 (80 steps): docs/results/dlr-smollm2-third.json (the third run)
 - + 300 on-policy steps (mix 0.5) or + 300 steps on the teacher's inputs (mix 0):
   docs/results/dlr-onpolicy-ab-mix05.json, dlr-onpolicy-ab-mix0.json
 - + 300 on-policy steps + phase 2: docs/results/dlr-smollm2-onpolicy.json
+- run 4 (256 captured blocks, 700 phase-1 steps of 512 tokens, 230 on-policy steps, 60 phase-2 steps):
+  docs/results/dlr-smollm2.json, after the on-policy steps and after phase 2
 
 The best lock at each time (the lower envelope) is fitted as ratio - 1 = c * t^-b in log-log, per corpus, and
 extrapolated to ratio 1.10 (Persuasion) / 1.25 (R8): a rough reading of the budget the present recipe would need
@@ -40,12 +43,14 @@ def points() -> list[dict]:
         out.append({"label": label, "seconds": secs, "source": path,
                     **{c: ppl[stage][c] / ppl["original"][c] for c in TARGETS}})
 
-    add("phase 1 (900 steps)", "dlr-smollm2.json", "phase1", ("start", "phase1"))
-    add("phase 1 + phase 2 (third run)", "dlr-smollm2.json", "phase2", ("start", "phase1", "phase2"))
+    add("phase 1 (900 steps)", "dlr-smollm2-third.json", "phase1", ("start", "phase1"))
+    add("phase 1 + phase 2 (third run)", "dlr-smollm2-third.json", "phase2", ("start", "phase1", "phase2"))
     add("+ 300 steps, teacher's inputs", "dlr-onpolicy-ab-mix0.json", "phase1", ("start", "phase1", "onpolicy"))
     add("+ 300 on-policy steps", "dlr-onpolicy-ab-mix05.json", "phase1", ("start", "phase1", "onpolicy"))
     add("+ 300 on-policy steps + phase 2", "dlr-smollm2-onpolicy.json", "phase2",
         ("start", "phase1", "onpolicy", "phase2"))
+    add("run 4: 700 x 512 + 230 on-policy", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
+    add("run 4: + phase 2 (60 steps)", "dlr-smollm2.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
     return sorted(out, key=lambda p: p["seconds"])
 
 

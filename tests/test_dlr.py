@@ -276,6 +276,19 @@ def test_hard_sampling_draws_the_tokens_that_hold_the_update(tmp_path):
     assert not streamed.in_memory and streamed.sample(64, step_rng(0, 1), hard_fraction=0.25)[0].shape == (2, 64, 32)
 
 
+def test_captured_set_in_memory_holds_every_chunk_in_order(tmp_path):
+    from mlpsurgery.capture import capture_mlp_io
+
+    cap = capture_mlp_io(tiny_model("llama"), blocks(10), layers=[0, 1], batch_size=4, out_dir=tmp_path / "cap",
+                         progress=False)  # chunks of 4, 4 and 2 blocks
+    data = _CapturedSet(cap, [1, 0], [2, 0], memory_limit_gb=1.0)
+    chunks = [cap.chunk(k) for k in (2, 0)]
+    for j, i in enumerate([1, 0]):
+        assert torch.equal(data.X[j], torch.cat([c[i][0] for c in chunks]))
+        assert torch.equal(data.Y[j], torch.cat([c[i][1] for c in chunks]))
+    assert data.X.shape[1] == data.n == 6 * blocks(1).shape[1]
+
+
 def test_phase1_with_the_papers_loss_and_uniform_sampling_lowers_the_error(tmp_path):
     # the default is our recipe (token loss, hard sampling: tested above on every architecture); the paper's too
     cfg = small_cfg(calib_blocks=64, phase1_steps=150, phase1_tokens=256, phase2_steps=0, phase1_loss="relative",
@@ -289,9 +302,12 @@ def test_compiled_phase1_trains_the_same_nets_as_eager(tmp_path):
     a, b = tiny_model("llama"), tiny_model("llama")
     dlr_lock(a, *args, small_cfg(phase1_steps=10, phase2_steps=0), tmp_path / "a", progress=False)
     dlr_lock(b, *args, small_cfg(phase1_steps=10, phase2_steps=0, compile=True), tmp_path / "b", progress=False)
+    # inductor's generated C++ sums in another order than eager (how depends on the CPU's vector width), and 13
+    # Adam steps at lr 1e-2 carry those last-bit differences into the weights: on an AVX-512 Xeon up to 2e-4 (0.2%)
+    # in 7 of 2,816 entries, where each step moves the weights by about 1e-2
     for sa, sb in zip(find_sites(a).mlp, find_sites(b).mlp):
         for name in ("D", "U", "norm", "alpha"):
-            torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-2, atol=1e-3)
 
 
 def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, capsys, ids):

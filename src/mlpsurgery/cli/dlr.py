@@ -242,7 +242,7 @@ def register(sub, groups) -> None:
                                   "plus the Reuters training articles, so the lock serves more than one domain)")
     p.add_argument("--block-len", type=integer(2), default=256)
     p.add_argument("--calib-blocks", type=integer(2), default=256, help="blocks captured for phase 1 (256)")
-    p.add_argument("--phase1-steps", type=integer(0), default=2000)
+    p.add_argument("--phase1-steps", type=integer(0), default=DLRConfig.phase1_steps)
     p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr)
     p.add_argument("--phase1-start", default=DLRConfig.phase1_start, choices=list(PHASE1_STARTS),
                    help="closed-form (default): set each DLR block in turn by least squares on the captured pairs, "
@@ -265,9 +265,9 @@ def register(sub, groups) -> None:
     p.add_argument("--onpolicy-lr", type=number(0), default=DLRConfig.onpolicy_lr,
                    help=f"peak learning rate of the on-policy steps ({DLRConfig.onpolicy_lr})")
     p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
-    p.add_argument("--phase2-steps", type=integer(0), default=200)
-    p.add_argument("--phase2-lr", type=number(0), default=1e-4)
-    p.add_argument("--phase2-batch", type=integer(1), default=4)
+    p.add_argument("--phase2-steps", type=integer(0), default=DLRConfig.phase2_steps)
+    p.add_argument("--phase2-lr", type=number(0), default=DLRConfig.phase2_lr)
+    p.add_argument("--phase2-batch", type=integer(1), default=DLRConfig.phase2_batch)
     p.add_argument("--phase2-blocks", type=integer(1), default=256, help="teacher-labelled blocks for phase 2 (256)")
     p.add_argument("--top-k", type=integer(1), default=32)
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")

@@ -38,13 +38,28 @@ class _CapturedSet:
             self.X, self.Y = self._read(chunks)
 
     def _read(self, chunks: list[int]) -> tuple[Tensor, Tensor]:
-        """(x, y) of the given chunks, each (n_layers, tokens, d), in the stored dtype."""
-        xs, ys = [], []
+        """(x, y) of the given chunks, each (n_layers, tokens, d), in the stored dtype. Written chunk by chunk into
+        tensors allocated once: stacking the chunks and concatenating them held the set twice while it was read
+        (2 x 3.8 GiB for SmolLM2's 256 captured blocks)."""
+        X = Y = None
+        at = 0
         for k in chunks:
             c = self.cap.chunk(k, self.layers)
-            xs.append(torch.stack([c[i][0] for i in self.layers]))
-            ys.append(torch.stack([c[i][1] for i in self.layers]))
-        return torch.cat(xs, 1), torch.cat(ys, 1)
+            x0, _ = c[self.layers[0]]
+            if X is None:
+                n = sum(self.cap.tokens_per_chunk[j] for j in chunks)
+                X = torch.empty(len(self.layers), n, x0.shape[-1], dtype=x0.dtype)
+                Y = torch.empty_like(X)
+            for j, i in enumerate(self.layers):
+                X[j, at:at + len(x0)] = c[i][0]
+                Y[j, at:at + len(x0)] = c[i][1]
+            at += len(x0)
+            del c
+        if X is None or at != X.shape[1]:
+            raise MLPSurgeryError(f"the capture's chunks hold {at} tokens, its index says "
+                                  f"{0 if X is None else X.shape[1]}: the capture folder is damaged; delete it and "
+                                  "capture again")
+        return X, Y
 
     def sample(self, n_tokens: int, g: torch.Generator, hard_fraction: float = 0.0) -> tuple[Tensor, Tensor]:
         """n_tokens per layer: uniformly, except a hard_fraction share drawn per layer in proportion to the
