@@ -273,17 +273,28 @@ class LayerStream:
         model.tie_weights()  # on the meta device: which entries are one tensor
         state = model.state_dict(keep_vars=True)
         tied = shared_names(state)
-        resident = {}
-        for n, t in state.items():  # of each group of tied names, the one the checkpoint holds (the tie's source)
+        resident = {}  # name -> (its skeleton tensor, the name of its tied group the checkpoint holds)
+        for n, t in state.items():
             if n.startswith(inside) or n in tied:
                 continue
+            # of a group of tied names the checkpoint holds one: transformers' files the tie's source (embed_tokens),
+            # safetensors' save_model whichever it keeps (lm_head); every name of the group gets that tensor, so
+            # tie_weights() finds its source loaded either way
             group = [n, *sorted(d for d, k in tied.items() if k == n)]
-            resident[next((g for g in group if self._key(g) is not None), n)] = t
-        missing = [n for n in resident if self._key(n) is None]
+            held = next((g for g in group if self._key(g) is not None), n)
+            for g in group:
+                if not g.startswith(inside):
+                    resident[g] = (t, held)
+        missing = sorted({h for _, h in resident.values() if self._key(h) is None})
         if missing:
             raise MLPSurgeryError(f"{self.folder}: no tensor {missing[0]!r} in the checkpoint (of {len(missing)} "
                                   "missing); the layer-sequential mode reads stock checkpoints: drop --layerwise")
-        model.load_state_dict({n: self._read(n, t) for n, t in resident.items()}, strict=False, assign=True)
+        read: dict[str, Tensor] = {}
+        for t, h in resident.values():
+            if h not in read:
+                read[h] = self._read(h, t)
+        model.load_state_dict({n: read[h] for n, (_, h) in resident.items()}, strict=False, assign=True)
+        del read
         model.tie_weights()
         self.tied = shared_names(model.state_dict(keep_vars=True))
         if self.tied != tied:
