@@ -9,8 +9,8 @@ multiple of the weights' bytes in the dtype the command ran in.
     python benchmarks/memory.py [--model smollm2] --json docs/results/memory-smollm2.json --md docs/results/memory-smollm2.md
     python benchmarks/memory.py --synthetic 2e9 --dtypes bfloat16 --only inspect,fuse,lock,unlock,export \
         --json docs/results/memory-synthetic-2b.json --md docs/results/memory-synthetic-2b.md
-    python benchmarks/memory.py --match layerwise --json docs/results/memory-smollm2-layerwise.json \
-        --md docs/results/memory-smollm2-layerwise.md          # the layer-sequential rows
+    python benchmarks/memory.py --match magnitude,layerwise --json docs/results/memory-smollm2-layerwise.json \
+        --md docs/results/memory-smollm2-layerwise.md          # the layer-sequential rows (and whole magnitude)
 
 Threads are pinned (OMP_NUM_THREADS=2) so that runs are comparable; the numbers do not depend on timing.
 """
@@ -119,7 +119,11 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
                                              "--layerwise", "--out", str(w / "sparsegpt-lw")]),
         ("lock key --ratio 0.05", ["lock", "key", model, *d, "--ratio", "0.05", "--out", str(w / "locked"),
                                    "--key", str(w / "key.bin")]),
+        ("lock key --ratio 0.05 --layerwise", ["lock", "key", model, *d, "--ratio", "0.05", "--layerwise",
+                                               "--out", str(w / "locked-lw"), "--key", str(w / "key-lw.bin")]),
         ("unlock", ["unlock", str(w / "locked"), *d, "--key", str(w / "key.bin"), "--out", str(w / "unlocked")]),
+        ("unlock --layerwise", ["unlock", str(w / "locked-lw"), *d, "--key", str(w / "key-lw.bin"), "--layerwise",
+                                "--out", str(w / "unlocked-lw")]),
         ("export (fused)", ["export", str(w / "fused"), *d, "--out", str(w / "exported")]),
     ]
 

@@ -198,10 +198,33 @@ def test_streaming_global_ranking_is_the_exact_top_k_with_ties_in_group_then_pos
     for k in (1, 7, 37, 200, len(every) // 3, len(every) - 1, len(every)):
         gid, uid = rk.global_top(groups, k)
         assert torch.equal(gid, gid_all[perm[:k]]) and torch.equal(uid, uid_all[perm[:k]]), (case, k)
+        # unordered (a lock at one ratio): the same units, in (group, position) order
+        gu, uu = rk.global_top(groups, k, ordered=False)
+        chosen = perm[:k].sort().values
+        assert torch.equal(gu.long(), gid_all[chosen]) and torch.equal(uu.long(), uid_all[chosen]), (case, k)
     assert all(len(t) == 0 for t in rk.global_top(groups, 0))
     vals[-1][0] = float("nan")
     with pytest.raises(MLPSurgeryError, match="NaN"):
         rk.global_top(groups, 5)
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.0737, 0.5])
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_an_unordered_ranking_extracts_what_the_ordered_one_does_at_its_ratio(ratio, scope):
+    # lock_key ranks without sorting by score (only its ratio is taken); the bisection's ranking is ordered
+    from mlpsurgery.methods.corelocker.ranking import Ranking
+    from mlpsurgery.methods.corelocker.units import unit_groups
+
+    cfg = CoreLockerConfig(ratio=ratio, scope=scope)
+    model = tiny_model("llama")
+    a = Ranking(unit_groups(model, cfg), scope, 0.6)
+    b = Ranking(unit_groups(model, cfg), scope, ratio, ordered=False)
+    (ea, na), (eb, nb) = a.take(ratio), b.take(ratio)
+    assert na == nb and list(ea) == list(eb)
+    assert all(torch.equal(ea[n][0], eb[n][0]) and ea[n][1] == eb[n][1] for n in ea)
+    if scope == "global":
+        with pytest.raises(MLPSurgeryError, match="unordered"):
+            b.take(ratio / 2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])  # GQA; fused Conv1D qkv; interleaved qkv

@@ -93,3 +93,46 @@ def test_smollm2_layerwise_sparsegpt_equals_the_whole_model_one(smollm2, tmp_pat
         assert set(a.keys()) == set(b.keys())
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+
+
+@pytest.mark.parametrize("name", ["smollm2", "minilm"])
+def test_real_checkpoint_loaded_in_bfloat16_equals_transformers_load(name, request):
+    # both are float32 files: --dtype bfloat16 reads them tensor by tensor and casts (models._load_cast) rather than
+    # through transformers' memory map of the whole file; the model must be transformers' own, bit for bit
+    from mlpsurgery.models import _load_cast, _model_class, _resolve, load_model, read_config
+
+    request.getfixturevalue(name)  # skips when the model is not installed
+    folder, _ = _resolve(name)
+    klass = _model_class(read_config(folder), "auto")
+    ours = load_model(name, dtype=torch.bfloat16).model
+    if (folder / "model.safetensors").is_file():
+        assert _load_cast(folder, klass, "auto", torch.bfloat16) is not None  # the path taken
+    ref = klass.from_pretrained(folder, local_files_only=True, dtype=torch.bfloat16)
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == torch.bfloat16 for n in a)
+    assert ours.config.to_dict() == ref.config.to_dict()
+
+
+def test_smollm2_layerwise_lock_equals_the_whole_model_lock(smollm2, tmp_path):
+    """CoreLocker layer by layer on the real checkpoint (bfloat16, 5% of the weights, global ranking): the same
+    key header (every tensor's hash, both fingerprints) and the same locked tensors as the whole-model lock."""
+    from safetensors import safe_open
+
+    from mlpsurgery.methods.corelocker import CoreLockerConfig, lock_folder, read_key
+    from mlpsurgery.methods.corelocker.layerwise import lock_layerwise
+    from mlpsurgery.models import load_model, smollm2_dir
+
+    cfg = CoreLockerConfig(ratio=0.05)
+    model = load_model("smollm2", dtype=torch.bfloat16).model
+    lock_folder(model, tmp_path / "whole", tmp_path / "whole.key", cfg, progress=False)
+    del model
+    lock_layerwise(smollm2_dir(), tmp_path / "lw", tmp_path / "lw.key", cfg, dtype=torch.bfloat16,
+                   source_name="smollm2", progress=False)
+    ka, kb = read_key(tmp_path / "whole.key"), read_key(tmp_path / "lw.key")
+    assert ka.header == kb.header
+    assert all(torch.equal(ka.values[n], kb.values[n]) for n in ka.values)
+    with safe_open(str(tmp_path / "whole" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "lw" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k

@@ -29,6 +29,8 @@ def run_lock(args) -> dict:
     cfg = CoreLockerConfig(ratio=args.ratio if args.ratio is not None else 0.0, indicator=args.indicator,
                            unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
     cfg.validate()
+    if args.layerwise:
+        return _lock_layerwise(args, cfg)
     # before the passphrase prompt and the model load: a bad --out / --key / --plot costs nothing and writes nothing
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
     check_plot_path(args.plot, inputs=[args.model, args.data], outputs=[args.out, args.key])
@@ -65,6 +67,31 @@ def run_lock(args) -> dict:
         target = res["search"]["target"] if "search" in res else None
         res["plot"] = draw("utility", lambda: _plot_lock(args.plot, curve, u["metric"], title, u["original"], target,
                                                          u["chance"]))
+    return res
+
+
+def _lock_layerwise(args, cfg) -> dict:
+    """`lock key --layerwise`: the checkpoint read one layer at a time (methods/corelocker/layerwise.py)."""
+    from pathlib import Path
+
+    from ..methods.corelocker import check_lock_targets, passphrase_from_user
+    from ..methods.corelocker.layerwise import check_layerwise, lock_layerwise
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+    if args.target_utility is not None or args.measure or args.plot:
+        raise MLPSurgeryError("--layerwise locks at a given --ratio without measuring the model (--target-utility, "
+                              "--measure and --plot run it whole): drop those, or drop --layerwise")
+    if args.task != "auto":
+        raise MLPSurgeryError("--layerwise locks the checkpoint's own class (--task auto): drop --task or --layerwise")
+    check_layerwise(cfg)
+    check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
+    folder, source = checkpoint_folder(args.model)
+    passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
+    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
+    res = lock_layerwise(folder, args.out, args.key, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
+                         passphrase=passphrase, overwrite=args.overwrite, inputs=[args.model],
+                         source_name=name or "smollm2", progress=progress(args))
+    res["model"] = source
     return res
 
 
@@ -107,6 +134,12 @@ def run_unlock(args) -> dict:
 
     check_unlock_targets(args.dir, args.key, args.out, args.overwrite)  # before asking for a passphrase
     passphrase = passphrase_from_user() if is_sealed(args.key) else None
+    if args.layerwise:
+        from ..methods.corelocker.layerwise import unlock_layerwise
+        from ..models import working_dtype
+
+        return unlock_layerwise(args.dir, args.key, args.out, passphrase=passphrase, dtype=working_dtype(),
+                                overwrite=args.overwrite, progress=progress(args))
     return unlock_folder(args.dir, args.key, args.out, passphrase=passphrase, overwrite=args.overwrite,
                          progress=progress(args))
 
@@ -206,6 +239,9 @@ def register(sub, groups) -> None:
                    help="draw utility against extraction ratio to this file: the points --target-utility evaluated "
                         "(also when the target cannot be reached), or with --ratio the original and the locked "
                         "model (implies --measure); never inside --out, which you hand out")
+    p.add_argument("--layerwise", action="store_true",
+                   help="read the checkpoint's safetensors one decoder layer at a time: memory of one layer and the "
+                        "key, not the model (the same key and folder; weight units, --ratio; docs/memory.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder / --key file")
 
     p = command(sub, "unlock", run_unlock, render_unlock,
@@ -214,6 +250,9 @@ def register(sub, groups) -> None:
     p.add_argument("dir", help="the locked folder")
     p.add_argument("--key", required=True, help="the key file written by `mlpsurgery lock key`")
     p.add_argument("--out", required=True, help="folder for the restored model")
+    p.add_argument("--layerwise", action="store_true",
+                   help="read the locked folder one decoder layer at a time: memory of one layer and the key, not the "
+                        "model (the same checks and result; docs/memory.md)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(groups["attack"], "key", run_attack, render_attack,

@@ -1,0 +1,261 @@
+"""`lock key --layerwise`: CoreLocker on a checkpoint read one decoder layer at a time (layerwise.py).
+
+The same ranking, extraction, hashes, key and folder as `lock_folder` on the whole model (tests/test_layerwise.py
+checks the key and the locked weights equal bit for bit), but the weights are never all in memory:
+
+- ranking: each weight group's scores are read from the checkpoint when the streaming selection asks for them
+  (`ranking.global_top` makes three passes over the groups, each holding one matrix's scores; `--scope layer` one);
+- extraction: layer by layer -- read it, hash its tensors (the original's fingerprint), write the locked values,
+  hash again (the locked model's), write it into the output file, drop it;
+- the parts outside the layers (embeddings, final norm, head) are resident; with `--include-io` their extraction is
+  applied after the layers, once their original bytes have gone into the source fingerprint.
+
+What must stay in memory is what the key itself holds: the chosen units' ids during ranking and their positions
+and original values (5% of the weights: for a 2 B model 94 M positions).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ...errors import IntegrityError, MLPSurgeryError
+from ...files import Fingerprint, write_private
+from ...io import WEIGHTS, record, streamed_save
+from ...layerwise import LayerStream, SafetensorsWriter, map_large_allocations
+from ...report import ends_stages, stage
+from .config import CoreLockerConfig
+from .folders import _place_key, check_lock_targets
+from .keyfile import KEY_FORMAT, KEY_VERSION, Key, key_file_bytes
+from .ranking import Ranking, fingerprint, tensor_hash
+from .units import unit_groups
+
+
+def check_layerwise(cfg: CoreLockerConfig) -> None:
+    """The settings the layer-sequential lock supports: weight units ranked by |w| or at random."""
+    if cfg.unit != "weight" or cfg.indicator not in ("l1", "random"):
+        raise MLPSurgeryError(f"--layerwise locks weight units ranked by l1 or random, not --unit {cfg.unit} "
+                              f"--indicator {cfg.indicator}: drop --layerwise, or use --unit weight --indicator l1")
+
+
+@ends_stages
+def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cfg: CoreLockerConfig, dtype=None,
+                   tokenizer=None, passphrase: str | None = None, overwrite: bool = False,
+                   inputs: Iterable[str | Path | None] = (), source_name: str | None = None,
+                   progress: bool = True) -> dict:
+    """Lock the checkpoint in `folder` at cfg.ratio layer by layer: the locked folder in `out`, the key in
+    `key_path` (what `lock_folder` writes for the whole model, bit for bit). Nothing is written unless everything
+    succeeded; if only placing the key fails, the key is kept beside its path and the error says where."""
+    cfg.validate()
+    check_layerwise(cfg)
+    out, key_path, folder = Path(out), Path(key_path), Path(folder)
+    check_lock_targets(out, key_path, overwrite, [*inputs, folder])
+    map_large_allocations()  # freed selection pieces go back to the OS instead of piling up in the heap
+    stream = LayerStream(folder, dtype=dtype)
+    model = stream.model
+    model._mlpsurgery_path = str(folder)
+    inside = tuple(stream.prefixes)
+    params = dict(model.named_parameters())
+
+    stage(f"ranking the weight units by {cfg.indicator} ({cfg.scope}), reading each matrix from {folder}", progress)
+    groups = unit_groups(model, cfg)
+    for g in groups:  # scores of a layer's matrix from the file (the skeleton's parameter is on the meta device)
+        if cfg.indicator == "l1" and g.name.startswith(inside):
+            g.scores = lambda name=g.name: stream._read(name, params[name]).abs().flatten().float()
+    ranking = Ranking(groups, cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken: no sort by score
+    extraction, n_units = ranking.take(cfg.ratio)
+    n_eligible = ranking.n_units
+    del ranking, groups
+
+    names = list(model.state_dict(keep_vars=True))  # the order of tensor_hashes (state-dict order)
+    first = next(k for k, n in enumerate(names) if n.startswith(inside))
+    last = max(k for k, n in enumerate(names) if n.startswith(inside))
+    before, after = names[:first], names[last + 1:]
+    state = model.state_dict()
+    original: dict[str, str] = {}
+    locked: dict[str, str] = {}
+    values: dict[str, Tensor] = {}
+    fp = Fingerprint(model)
+    for n in before:
+        fp.add(n, state[n])
+    for n in before + after:
+        original[n] = tensor_hash(n, state[n])
+
+    def extract(name_of: dict[str, Tensor]) -> None:
+        """Write the locked values of the named parameters present (in place), keeping the originals."""
+        with torch.no_grad():
+            for name, (pos, fill) in extraction.items():
+                if name in name_of:
+                    flat = name_of[name].detach().view(-1)
+                    values[name] = flat[pos].clone()
+                    flat[pos] = fill
+
+    summary_keys = ("config", "units_extracted", "units_eligible", "locked_fingerprint", "original_fingerprint")
+    staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
+    extra: dict = {}  # the manifest's corelocker summary, known once the last layer is done (read on exit)
+    try:
+        with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra,
+                           inputs=[*inputs, key_path]) as tmp:
+            writer = SafetensorsWriter(tmp / WEIGHTS, stream.layout(), metadata={"format": "pt", **stream.tied})
+            for i in tqdm(range(stream.n_layers), desc="locking (layer by layer)", unit="layer",
+                          disable=not progress):
+                layer = stream.materialise(i)
+                mine = stream.layer_state(i)
+                for n, t in mine.items():
+                    fp.add(n, t)
+                    original[n] = tensor_hash(n, t)
+                extract({stream.prefixes[i] + n: p for n, p in layer.named_parameters()})
+                for n, t in mine.items():
+                    locked[n] = tensor_hash(n, t)
+                    writer.write(n, t)
+                stream.release(i)
+            for n in after:
+                fp.add(n, state[n])
+            extract({n: p for n, p in params.items() if not n.startswith(inside)})  # --include-io
+            state = model.state_dict()
+            for n in before + after:
+                locked[n] = tensor_hash(n, state[n])
+            for n, t in stream.resident_state().items():
+                writer.write(n, t)
+            writer.close()
+            locked = {n: locked[n] for n in names}
+            original = {n: original[n] for n in names}
+            header = {
+                "format": KEY_FORMAT, "version": KEY_VERSION, "config": asdict(cfg),
+                "model_class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
+                "units_extracted": n_units, "units_eligible": n_eligible,
+                "entries": sum(len(p) for p, _ in extraction.values()),
+                "model_params": sum(p.numel() for p in model.parameters()),
+                "locked_fingerprint": fingerprint(locked), "locked_tensors": locked,
+                "original_fingerprint": fingerprint(original),
+            }
+            model._mlpsurgery_source = {"name": source_name or folder.name, "fingerprint": fp.hexdigest()}
+            record(model, "corelocker", asdict(cfg), units_extracted=n_units, units_eligible=header["units_eligible"],
+                   locked_fingerprint=header["locked_fingerprint"])
+            key = Key({n: p for n, (p, _) in extraction.items()}, {n: values[n] for n in extraction}, header)
+            stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)"
+                                                             if passphrase else ""), progress)
+            blob = key_file_bytes(key, {n: p.numel() for n, p in model.named_parameters()}, passphrase)
+            write_private(staged, blob)  # the key first (beside its place, 0600): one that cannot be written stops all
+            extra["corelocker"] = {k: header[k] for k in summary_keys}
+    except BaseException:
+        staged.unlink(missing_ok=True)  # no locked model was written, so this key unlocks nothing
+        raise
+    _place_key(staged, key_path, out, overwrite)
+    weights = out / WEIGHTS
+    return {
+        "locked": str(out), "key": str(key_path), "encrypted": passphrase is not None, "config": asdict(cfg),
+        "units_extracted": n_units, "units_eligible": header["units_eligible"], "entries": key.entries,
+        "model_params": header["model_params"], "key_bytes": len(blob),
+        "model_bytes": weights.stat().st_size if weights.exists() else None,
+        "locked_fingerprint": header["locked_fingerprint"], "layerwise": True,
+        "dtype": str(stream.dtype).removeprefix("torch."),
+    }
+
+
+@ends_stages
+def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, passphrase: str | None = None,
+                     dtype=None, overwrite: bool = False, progress: bool = False) -> dict:
+    """`unlock_folder` layer by layer: each layer of the locked folder is read, its tensors checked against the
+    key's hashes of the locked model, its entries restored, hashed again and written; the restored model's
+    fingerprint must be the key's original one (and the one the locked folder recorded). Anything refused
+    leaves nothing written (the output is built in a temporary folder swapped in only at the end)."""
+    from ...io import read_manifest, verify_files
+    from ...models import _tokenizer
+    from .folders import _recorded_original, check_unlock_targets
+    from .keyfile import read_key
+
+    out, locked, key_path = Path(out), Path(locked), Path(key_path)
+    check_unlock_targets(locked, key_path, out, overwrite)
+    stage(f"reading the key {key_path}" + (" (unsealing: scrypt takes a moment)" if passphrase else ""), progress)
+    key = read_key(key_path, passphrase)
+    manifest = read_manifest(locked)
+    if manifest.get("modules") or manifest.get("masks"):
+        raise MLPSurgeryError(f"{locked} holds replaced modules or pruning masks, which the layer-sequential unlock "
+                              "does not rebuild; drop --layerwise")
+    stage(f"checking the files of {locked} against its manifest", progress)
+    verify_files(locked, manifest)
+    map_large_allocations()
+    stream = LayerStream(locked, dtype=dtype if isinstance(dtype, torch.dtype) else
+                         getattr(torch, manifest.get("dtype", "float32")))
+    model = stream.model
+    if type(model).__name__ != manifest.get("model_class"):
+        raise MLPSurgeryError(f"{locked}: config.json builds a {type(model).__name__}, its manifest records a "
+                              f"{manifest.get('model_class')}; drop --layerwise")
+    if type(model).__name__ != key.header.get("model_class"):
+        raise IntegrityError(f"{locked} holds a {type(model).__name__}, the key was made for a "
+                             f"{key.header.get('model_class')}: this key does not belong to this model")
+    cross_checked, recorded = _recorded_original(locked)
+    if cross_checked and recorded != key.header["original_fingerprint"]:
+        raise IntegrityError(f"the key restores an original model (fingerprint {key.header['original_fingerprint'][:16]}"
+                             f"...) other than the one recorded in the locked folder {locked} ({recorded[:16]}...): "
+                             "the key or the folder was altered; use the key written with this folder")
+    params = dict(model.named_parameters())
+    for name, pos in key.positions.items():
+        if name not in params or len(pos) != len(key.values[name]) or \
+                (key.numels is not None and key.numels.get(name) != params[name].numel()) or \
+                (len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= params[name].numel())):
+            raise IntegrityError(f"the key's entry for {name} does not fit the model: the key was altered")
+    expected = key.header.get("locked_tensors", {})
+    inside = tuple(stream.prefixes)
+    names = list(model.state_dict(keep_vars=True))
+    locked_h: dict[str, str] = {}
+    restored_h: dict[str, str] = {}
+
+    def check(n: str, t: Tensor) -> None:
+        locked_h[n] = tensor_hash(n, t)
+        if locked_h[n] != expected.get(n):
+            raise IntegrityError(f"this key does not belong to this model, or the locked model was modified after "
+                                 f"locking: tensor {n} differs from the locked model the key was made for; use the "
+                                 "key written with this model")
+
+    def restore(name_of: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, pos in key.positions.items():
+                if name in name_of:
+                    flat = name_of[name].detach().view(-1)
+                    flat[pos] = key.values[name].to(flat.dtype)
+
+    state = model.state_dict()
+    resident = [n for n in names if not n.startswith(inside)]
+    for n in resident:
+        check(n, state[n])
+    restore({n: p for n, p in params.items() if not n.startswith(inside)})
+    for n in resident:
+        restored_h[n] = tensor_hash(n, state[n])
+    model._mlpsurgery_history = manifest.get("history", [])
+    model._mlpsurgery_source = manifest.get("source")
+    stage("checking the key against the locked model, restoring, checking the original's fingerprint, layer by "
+          "layer", progress)
+    with streamed_save(model, out, tokenizer=_tokenizer(locked), overwrite=overwrite, inputs=[locked, key_path]) as tmp:
+        writer = SafetensorsWriter(tmp / WEIGHTS, stream.layout(), metadata={"format": "pt", **stream.tied})
+        for n, t in stream.resident_state().items():
+            writer.write(n, t)
+        for i in tqdm(range(stream.n_layers), desc="unlocking (layer by layer)", unit="layer", disable=not progress):
+            layer = stream.materialise(i)
+            mine = stream.layer_state(i)
+            for n, t in mine.items():
+                check(n, t)
+            restore({stream.prefixes[i] + n: p for n, p in layer.named_parameters()})
+            for n, t in mine.items():
+                restored_h[n] = tensor_hash(n, t)
+                writer.write(n, t)
+            stream.release(i)
+        writer.close()
+        if set(locked_h) != set(expected):
+            raise IntegrityError("this key does not belong to this model: it lists other tensors than the model holds; "
+                                 "use the key written with this model")
+        if fingerprint(restored_h) != key.header["original_fingerprint"]:
+            raise IntegrityError("the key's values do not restore the original model (its fingerprint differs): the "
+                                 "key was altered; use an intact copy of the key")
+        record(model, "corelocker-unlock", {}, original_fingerprint=key.header["original_fingerprint"])
+    return {"unlocked": str(out), "from": str(locked), "key": str(key_path), "entries_restored": key.entries,
+            "original_fingerprint": key.header["original_fingerprint"], "check": key.check,
+            "cross_checked": cross_checked, "layerwise": True}
