@@ -48,7 +48,7 @@ Where each part lives: `config` (what to extract), `units` (unit groups and chan
 (extraction order, applying and restoring entries, tensor hashes), `lock` (lock / unlock in memory),
 `keyfile` (the key and its file), `sealing` (passphrase encryption), `utility` (utilities, the ratio ->
 utility curve, bisection, plot), `attacks`, `folders` (lock / unlock transformers folders), `layerwise`
-(`lock key --layerwise`: a checkpoint locked one decoder layer at a time).
+(`lock key` / `unlock --layerwise`: one decoder layer at a time).
 """
 
 from .attacks import (FinetuneLoss, attack_finetune, attack_prune, attack_table, classifier_finetune, lm_finetune,

@@ -1,4 +1,5 @@
-"""`lock key --layerwise`: CoreLocker on a checkpoint read one decoder layer at a time (layerwise.py).
+"""`lock key --layerwise` and `unlock --layerwise`: CoreLocker on a checkpoint read one decoder layer at a time
+(layerwise.py).
 
 The same ranking, extraction, hashes, key and folder as `lock_folder` on the whole model (tests/test_layerwise.py
 checks the key and the locked weights equal bit for bit), but the weights are never all in memory:
@@ -9,6 +10,9 @@ checks the key and the locked weights equal bit for bit), but the weights are ne
   hash again (the locked model's), write it into the output file, drop it;
 - the parts outside the layers (embeddings, final norm, head) are resident; with `--include-io` their extraction is
   applied after the layers, once their original bytes have gone into the source fingerprint.
+
+`unlock_layerwise` reads a locked folder the same way: each layer's tensors checked against the key's hashes of the
+locked model, restored, hashed again and written; the restored fingerprint checked at the end.
 
 What must stay in memory is what the key itself holds: the chosen units' ids during ranking and their positions
 and original values (5% of the weights: for a 2 B model 94 M positions).
