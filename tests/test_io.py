@@ -167,3 +167,32 @@ def test_a_history_with_int_keys_and_tuples_saves_and_loads(tmp_path, ids):
     again = load(folder)
     assert again._mlpsurgery_history[-1]["config"]["per_layer"] == {"2": 1.5, "10": [2, 4]}
     torch.testing.assert_close(outputs(again, ids), outputs(model, ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gpt2", "bert"])
+def test_weights_load_a_tensor_at_a_time_like_safetensors_load_model(tmp_path, arch):
+    # io.load_weights replaces safetensors.torch.load_model (which maps the file and reads it whole): the same
+    # tensors, the same (missing, unexpected) on a file saved with tied weights once, with a tensor too many, one
+    # too few, one of another shape
+    from safetensors.torch import load_file, load_model, save_file, save_model
+
+    from mlpsurgery.io import load_weights
+
+    src = tiny_model(arch)
+    save_model(src, str(tmp_path / "w.safetensors"))
+    a, b = tiny_model(arch), tiny_model(arch)
+    for p in [*a.parameters(), *b.parameters()]:
+        p.data.zero_()
+    assert load_weights(a, tmp_path / "w.safetensors") == ([], []) == tuple(map(list, load_model(
+        b, str(tmp_path / "w.safetensors"), strict=False)))
+    sa, sb, ss = a.state_dict(), b.state_dict(), src.state_dict()
+    assert all(torch.equal(sa[n], sb[n]) and torch.equal(sa[n], ss[n]) for n in ss)
+    state = load_file(str(tmp_path / "w.safetensors"))
+    gone = sorted(state)[1]
+    save_file({**{k: v for k, v in state.items() if k != gone}, "extra.weight": torch.ones(2)},
+              str(tmp_path / "x.safetensors"))
+    missing, unexpected = load_weights(tiny_model(arch), tmp_path / "x.safetensors")
+    assert gone in missing and unexpected == ["extra.weight"]
+    save_file({**state, gone: torch.ones(3, 3, 3)}, str(tmp_path / "y.safetensors"))
+    with pytest.raises(IntegrityError, match=gone.replace(".", r"\.")):
+        load_weights(tiny_model(arch), tmp_path / "y.safetensors")

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model as st_load_model
 from safetensors.torch import save_model as st_save_model
 from torch import nn
 
@@ -392,6 +391,38 @@ def _load_masks(model: nn.Module, folder: Path, names: list[str]) -> None:
         buf.copy_(stored[name])
 
 
+def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]:
+    """safetensors' `load_model(model, weights, strict=False)` a tensor at a time: each tensor read with pread(2)
+    into memory of its own, copied into the model and dropped. `load_model` maps the file and reads it whole first,
+    and the mapped pages it read stay resident until it is closed: loading a 2 B bfloat16 folder peaked at twice its
+    weights (docs/memory.md). Returns (missing, unexpected) as `load_model` does: a name the file lacks is not
+    missing when it shares its tensor with one the file holds (tied weights are saved once)."""
+    from safetensors import safe_open
+
+    state = model.state_dict()
+    try:
+        handle = safe_open(str(weights), framework="pt", backend="pread")
+    except TypeError:  # safetensors before the pread backend: a memory map
+        handle = safe_open(str(weights), framework="pt")
+    loaded: set[int] = set()
+    unexpected = []
+    with handle as f, torch.no_grad():
+        names = set(f.keys())
+        for name in names:
+            if name not in state:
+                unexpected.append(name)
+                continue
+            t, dst = f.get_tensor(name), state[name]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise IntegrityError(f"{weights}: {name} is {tuple(t.shape)} in the file, the model's is "
+                                     f"{tuple(dst.shape)}")
+            dst.copy_(t)
+            loaded.add(dst.data_ptr())
+            del t
+    missing = [n for n, t in state.items() if n not in names and (t.numel() == 0 or t.data_ptr() not in loaded)]
+    return missing, unexpected
+
+
 def load(folder: str | Path, verify: bool = True) -> nn.Module:
     """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights."""
     folder = Path(folder)
@@ -405,7 +436,7 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
     model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights)
     model.to(getattr(torch, manifest.get("dtype", "float32")))
     try:
-        missing, unexpected = st_load_model(model, str(weights), strict=False)
+        missing, unexpected = load_weights(model, weights)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
         raise IntegrityError(f"{weights} could not be loaded into the rebuilt model: {e}") from None
     if missing or unexpected:
