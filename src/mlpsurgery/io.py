@@ -407,8 +407,9 @@ def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]
     loaded: set[int] = set()
     unexpected = []
     with handle as f, torch.no_grad():
-        names = set(f.keys())
-        for name in names:
+        keys = list(f.keys())  # (the file's order, so `unexpected` comes in it)
+        names = set(keys)
+        for name in keys:
             if name not in state:
                 unexpected.append(name)
                 continue
