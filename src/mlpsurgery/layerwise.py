@@ -122,6 +122,11 @@ class LazyCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    @property
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes the checkpoint's tensors are stored in."""
+        return {e[2] for f in self._files.values() for e in f.entries.values()}
+
     def get(self, name: str) -> Tensor:
         return self._files[self.where[name]].get(name)
 
@@ -482,6 +487,18 @@ class LayerStream:
         out = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in self.tied}
         out.update(extra or {})
         return out
+
+    def outside_names(self) -> tuple[list[str], list[str]]:
+        """The state-dict names before the layers and after them (embeddings; final norm and head), in state-dict
+        order: a method that goes through the model layer by layer feeds order-dependent digests (the source
+        fingerprint) before, between and after the layers with them."""
+        inside = tuple(self.prefixes)
+        names = list(self.model.state_dict(keep_vars=True))
+        first = next(k for k, n in enumerate(names) if n.startswith(inside))
+        last = max(k for k, n in enumerate(names) if n.startswith(inside))
+        if any(not n.startswith(inside) for n in names[first:last + 1]):
+            raise MLPSurgeryError("internal: the layers' tensors are not contiguous in the state dict")
+        return names[:first], names[last + 1:]
 
     def resident_state(self) -> dict[str, Tensor]:
         inside = tuple(self.prefixes)

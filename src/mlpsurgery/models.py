@@ -318,8 +318,7 @@ def _load_cast(folder: Path, klass, task: str, dtype) -> nn.Module | None:
     from .layerwise import LazyCheckpoint, LayerStream
 
     try:
-        stored = {d for _, _, d, _ in (e for f in LazyCheckpoint(folder)._files.values() for e in f.entries.values())
-                  if d.is_floating_point}
+        stored = {d for d in LazyCheckpoint(folder).dtypes if d.is_floating_point}
         if not stored or stored == {dtype}:
             return None  # transformers maps the file and keeps its tensors without a copy
         stream = LayerStream(folder, dtype=dtype, task=task)

@@ -30,17 +30,6 @@ from .pruning import (PARTS, _layer_counts, _layer_linears, _pattern_text, _spar
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
-def _fingerprint_plan(stream: LayerStream) -> tuple[list[str], list[str]]:
-    """The resident tensor names before and after the layers, in state-dict order (the fingerprint's order)."""
-    inside = tuple(stream.prefixes)
-    names = list(stream.model.state_dict(keep_vars=True))
-    first = next(k for k, n in enumerate(names) if n.startswith(inside))
-    last = max(k for k, n in enumerate(names) if n.startswith(inside))
-    if any(not n.startswith(inside) for n in names[first:last + 1]):
-        raise MLPSurgeryError("internal: the layers' tensors are not contiguous in the state dict")
-    return names[:first], names[last + 1:]
-
-
 def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: float | None = None,
                     parts: str = "both", layers: list[int] | None = None, data: Tensor | None = None,
                     pattern: tuple[int, int] | str | None = None, batch_size: int = 8, dtype=None,
@@ -79,7 +68,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
     for part in ("attn", "ffn"):
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
             masked |= set(prunable_weights(model, part, chosen))
-    before, after = _fingerprint_plan(stream)
+    before, after = stream.outside_names()
     fp = Fingerprint(model)
     state = model.state_dict()
     for name in before:

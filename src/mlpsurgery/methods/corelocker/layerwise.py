@@ -37,8 +37,9 @@ from ...layerwise import LayerStream, SafetensorsWriter, map_large_allocations
 from ...report import ends_stages, stage
 from .config import CoreLockerConfig
 from .folders import _place_key, check_lock_targets
-from .keyfile import KEY_FORMAT, KEY_VERSION, Key, key_file_bytes
-from .ranking import Ranking, fingerprint, tensor_hash
+from .keyfile import key_file_bytes
+from .lock import check_entries, check_original, make_key
+from .ranking import Ranking, extract_entries, fingerprint, restore_entries, tensor_hash
 from .units import unit_groups
 
 
@@ -79,9 +80,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     del ranking, groups
 
     names = list(model.state_dict(keep_vars=True))  # the order of tensor_hashes (state-dict order)
-    first = next(k for k, n in enumerate(names) if n.startswith(inside))
-    last = max(k for k, n in enumerate(names) if n.startswith(inside))
-    before, after = names[:first], names[last + 1:]
+    before, after = stream.outside_names()
     state = model.state_dict()
     original: dict[str, str] = {}
     locked: dict[str, str] = {}
@@ -91,15 +90,6 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
         fp.add(n, state[n])
     for n in before + after:
         original[n] = tensor_hash(n, state[n])
-
-    def extract(name_of: dict[str, Tensor]) -> None:
-        """Write the locked values of the named parameters present (in place), keeping the originals."""
-        with torch.no_grad():
-            for name, (pos, fill) in extraction.items():
-                if name in name_of:
-                    flat = name_of[name].detach().view(-1)
-                    values[name] = flat[pos].clone()
-                    flat[pos] = fill
 
     summary_keys = ("config", "units_extracted", "units_eligible", "locked_fingerprint", "original_fingerprint")
     staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
@@ -115,14 +105,16 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
                 for n, t in mine.items():
                     fp.add(n, t)
                     original[n] = tensor_hash(n, t)
-                extract({stream.prefixes[i] + n: p for n, p in layer.named_parameters()})
+                values.update(extract_entries({stream.prefixes[i] + n: p for n, p in layer.named_parameters()},
+                                              extraction))
                 for n, t in mine.items():
                     locked[n] = tensor_hash(n, t)
                     writer.write(n, t)
                 stream.release(i)
             for n in after:
                 fp.add(n, state[n])
-            extract({n: p for n, p in params.items() if not n.startswith(inside)})  # --include-io
+            values.update(extract_entries({n: p for n, p in params.items() if not n.startswith(inside)},
+                                          extraction))  # --include-io
             state = model.state_dict()
             for n in before + after:
                 locked[n] = tensor_hash(n, state[n])
@@ -131,19 +123,10 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
             writer.close()
             locked = {n: locked[n] for n in names}
             original = {n: original[n] for n in names}
-            header = {
-                "format": KEY_FORMAT, "version": KEY_VERSION, "config": asdict(cfg),
-                "model_class": type(model).__name__, "model_type": getattr(model.config, "model_type", None),
-                "units_extracted": n_units, "units_eligible": n_eligible,
-                "entries": sum(len(p) for p, _ in extraction.values()),
-                "model_params": sum(p.numel() for p in model.parameters()),
-                "locked_fingerprint": fingerprint(locked), "locked_tensors": locked,
-                "original_fingerprint": fingerprint(original),
-            }
             model._mlpsurgery_source = {"name": source_name or folder.name, "fingerprint": fp.hexdigest()}
-            record(model, "corelocker", asdict(cfg), units_extracted=n_units, units_eligible=header["units_eligible"],
-                   locked_fingerprint=header["locked_fingerprint"])
-            key = Key({n: p for n, (p, _) in extraction.items()}, {n: values[n] for n in extraction}, header)
+            key = make_key(model, cfg, extraction, {n: values[n] for n in extraction}, n_units, n_eligible, locked,
+                           fingerprint(original))
+            header = key.header
             stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)"
                                                              if passphrase else ""), progress)
             blob = key_file_bytes(key, {n: p.numel() for n, p in model.named_parameters()}, passphrase)
@@ -197,16 +180,10 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
         raise IntegrityError(f"{locked} holds a {type(model).__name__}, the key was made for a "
                              f"{key.header.get('model_class')}: this key does not belong to this model")
     cross_checked, recorded = _recorded_original(locked)
-    if cross_checked and recorded != key.header["original_fingerprint"]:
-        raise IntegrityError(f"the key restores an original model (fingerprint {key.header['original_fingerprint'][:16]}"
-                             f"...) other than the one recorded in the locked folder {locked} ({recorded[:16]}...): "
-                             "the key or the folder was altered; use the key written with this folder")
+    if cross_checked:
+        check_original(key, recorded, f"the locked folder {locked}")
     params = dict(model.named_parameters())
-    for name, pos in key.positions.items():
-        if name not in params or len(pos) != len(key.values[name]) or \
-                (key.numels is not None and key.numels.get(name) != params[name].numel()) or \
-                (len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= params[name].numel())):
-            raise IntegrityError(f"the key's entry for {name} does not fit the model: the key was altered")
+    check_entries(key, params)
     expected = key.header.get("locked_tensors", {})
     inside = tuple(stream.prefixes)
     names = list(model.state_dict(keep_vars=True))
@@ -220,18 +197,11 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
                                  f"locking: tensor {n} differs from the locked model the key was made for; use the "
                                  "key written with this model")
 
-    def restore(name_of: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            for name, pos in key.positions.items():
-                if name in name_of:
-                    flat = name_of[name].detach().view(-1)
-                    flat[pos] = key.values[name].to(flat.dtype)
-
     state = model.state_dict()
     resident = [n for n in names if not n.startswith(inside)]
     for n in resident:
         check(n, state[n])
-    restore({n: p for n, p in params.items() if not n.startswith(inside)})
+    restore_entries({n: p for n, p in params.items() if not n.startswith(inside)}, key.positions, key.values)
     for n in resident:
         restored_h[n] = tensor_hash(n, state[n])
     model._mlpsurgery_history = manifest.get("history", [])
@@ -247,7 +217,8 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
             mine = stream.layer_state(i)
             for n, t in mine.items():
                 check(n, t)
-            restore({stream.prefixes[i] + n: p for n, p in layer.named_parameters()})
+            restore_entries({stream.prefixes[i] + n: p for n, p in layer.named_parameters()}, key.positions,
+                            key.values)
             for n, t in mine.items():
                 restored_h[n] = tensor_hash(n, t)
                 writer.write(n, t)

@@ -171,25 +171,38 @@ def _flat(p: Tensor, name: str) -> Tensor:
     return p.detach().view(-1)
 
 
-def apply_extraction(model: nn.Module, extraction: Extraction) -> dict[str, Tensor]:
-    """Write the locked values; returns the original values at those positions."""
-    params = dict(model.named_parameters())
+def extract_entries(params: dict[str, Tensor], extraction: Extraction) -> dict[str, Tensor]:
+    """Write the locked values into those of `params` the extraction names (in place; the layer-sequential lock
+    passes one layer's); returns the original values at those positions."""
     originals = {}
     with torch.no_grad():
         for name, (pos, fill) in extraction.items():
-            flat = _flat(params[name], name)
-            pos = pos.to(flat.device)
-            originals[name] = flat[pos].cpu().clone()
-            flat[pos] = fill
+            if name in params:
+                flat = _flat(params[name], name)
+                pos = pos.to(flat.device)
+                originals[name] = flat[pos].cpu().clone()
+                flat[pos] = fill
     return originals
+
+
+def restore_entries(params: dict[str, Tensor], positions: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+    """Write `values` back at `positions` into those of `params` they name (in place)."""
+    with torch.no_grad():
+        for name, pos in positions.items():
+            if name in params:
+                flat = _flat(params[name], name)
+                flat[pos.to(flat.device)] = values[name].to(device=flat.device, dtype=flat.dtype)
+
+
+def apply_extraction(model: nn.Module, extraction: Extraction) -> dict[str, Tensor]:
+    """Write the locked values; returns the original values at those positions."""
+    params = dict(model.named_parameters())
+    return extract_entries({n: params[n] for n in extraction}, extraction)
 
 
 def restore_values(model: nn.Module, positions: dict[str, Tensor], values: dict[str, Tensor]) -> None:
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, pos in positions.items():
-            flat = _flat(params[name], name)
-            flat[pos.to(flat.device)] = values[name].to(device=flat.device, dtype=flat.dtype)
+    restore_entries({n: params[n] for n in positions}, positions, values)
 
 
 # --------------------------------------------------------------------------------------------------
