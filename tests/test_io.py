@@ -196,3 +196,48 @@ def test_weights_load_a_tensor_at_a_time_like_safetensors_load_model(tmp_path, a
     save_file({**state, gone: torch.ones(3, 3, 3)}, str(tmp_path / "y.safetensors"))
     with pytest.raises(IntegrityError, match=gone.replace(".", r"\.")):
         load_weights(tiny_model(arch), tmp_path / "y.safetensors")
+
+
+def _stock_cases():
+    from mlpsurgery.methods import nsn
+    from mlpsurgery.methods.dlr_lock import locked_like
+    from mlpsurgery.methods.fusion import FusionConfig, fuse
+    from mlpsurgery.methods.pruning import magnitude_prune
+
+    return {"fused one layer": lambda m: fuse(m, FusionConfig(width=16, layers="0", n_init=1), progress=False) and m,
+            "fused all": lambda m: fuse(m, FusionConfig(width=16, layers="all", n_init=1), progress=False) and m,
+            "nested": lambda m: (nsn.nest(m), nsn.set_rank(m, 6)) and m,
+            "masked": lambda m: magnitude_prune(m, 0.5, parts="ffn") and m,
+            "dlr": lambda m: locked_like(m, rank=4, depth=3)}
+
+
+@pytest.mark.parametrize("case", list(_stock_cases()))
+def test_to_stock_consuming_equals_copying_and_leaves_the_callers_model_whole(arch, case, ids):
+    """export's mode (to_stock of a tree copy, consume=True: the stock model made of the model's own tensors, each
+    folded MLP dropped once written) gives bit for bit the model the copying mode gives; neither changes the
+    caller's model, and the consuming one copies no tensor it can share."""
+    import copy
+
+    from mlpsurgery.io import to_stock, tree_copy
+
+    model = _stock_cases()[case](tiny_model(arch))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    structure = [(n, type(m)) for n, m in model.named_modules()]
+    copied = to_stock(model)
+    shared = to_stock(tree_copy(model), consume=True)
+    consumed = to_stock(copy.deepcopy(model), consume=True)
+    assert [(n, type(m)) for n, m in model.named_modules()] == structure
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    ref = copied.state_dict()
+    for other in (shared, consumed):
+        assert [(n, type(m)) for n, m in other.named_modules()] == [(n, type(m)) for n, m in copied.named_modules()]
+        got = other.state_dict()
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+    ptrs = {t.data_ptr() for t in after.values()}
+    emb = model.get_input_embeddings().weight
+    assert shared.get_input_embeddings().weight.data_ptr() == emb.data_ptr()
+    assert not any(t.data_ptr() in ptrs for t in ref.values() if t.numel())
+    torch.testing.assert_close(outputs(shared, ids), outputs(model, ids), rtol=1e-4, atol=1e-5)
