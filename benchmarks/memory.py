@@ -106,6 +106,8 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
         ("eval ppl (8k tokens)", ["eval", "ppl", model, *d, "--max-tokens", "8192"]),
         (f"fuse {' '.join(how + [''])}--width {width} --layers all", ["fuse", model, *d, *how, "--width", str(width),
                                                                       "--layers", "all", "--out", str(w / "fused")]),
+        (f"fuse {' '.join(how + [''])}--width {width} --layers all --layerwise",
+         ["fuse", model, *d, *how, "--width", str(width), "--layers", "all", "--layerwise", "--out", str(w / "fused-lw")]),
         ("prune magnitude 50%", ["prune", model, *d, "--method", "magnitude", "--sparsity", "0.5",
                                  "--out", str(w / "magnitude")]),
         ("prune magnitude 50% --layerwise", ["prune", model, *d, "--method", "magnitude", "--sparsity", "0.5",

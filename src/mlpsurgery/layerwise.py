@@ -200,6 +200,58 @@ class SafetensorsWriter:
                                   f"({sorted(self.pending)[:3]})")
 
 
+class SafetensorsAppender:
+    """A safetensors file whose tensors' shapes are known only as they come (a layer that a method reshapes): each
+    `write` appends one tensor's bytes; the header, which safetensors puts before the data, goes into `reserve`
+    bytes kept free at the start and is written by `close`, padded with spaces (as safetensors pads its own to
+    8 bytes). `header_reserve` sizes the space from the skeleton; a header that outgrows it is refused, never cut."""
+
+    def __init__(self, path: Path, reserve: int):
+        self.path = Path(path)
+        self.base = reserve + (-reserve % 8)
+        self.entries: dict[str, dict] = {}
+        self.pos = 0
+        self._f = open(self.path, "wb")
+        self._f.truncate(self.base)
+
+    def write(self, name: str, t: Tensor) -> None:
+        if name in self.entries:
+            raise MLPSurgeryError(f"internal: {name} written twice into {self.path.name}")
+        if t.dtype not in _DTYPES:
+            raise MLPSurgeryError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._f.seek(self.base + self.pos)
+        self._f.write(memoryview(data))
+        self.entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.pos, self.pos + data.nbytes]}
+        self.pos += data.nbytes
+
+    def abandon(self) -> None:
+        """Close the file without a header (its folder is being discarded)."""
+        self._f.close()
+
+    def close(self, metadata: dict[str, str] | None = None) -> None:
+        if self._f.closed:
+            return
+        raw = json.dumps({"__metadata__": dict(metadata or {}), **self.entries}, separators=(",", ":")).encode()
+        try:
+            if 8 + len(raw) > self.base:
+                raise MLPSurgeryError(f"internal: the header of {self.path.name} ({len(raw)} bytes) outgrew the "
+                                      f"{self.base - 8} reserved for it; please report this model")
+            self._f.seek(0)
+            self._f.write(struct.pack("<Q", self.base - 8) + raw + b" " * (self.base - 8 - len(raw)))
+        finally:
+            self._f.close()
+
+
+def header_reserve(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    """Header space for a file of `layout`'s tensors as a method may reshape them: twice the header they need with
+    offsets of 20 digits (replacing each linear by two factors at most doubles the entries), plus 64 KiB."""
+    big = 10**19
+    header = {n: {"dtype": "BF16", "shape": list(s), "data_offsets": [big, big]} for n, (_, s) in layout.items()}
+    return 2 * len(json.dumps(header, separators=(",", ":"))) + 65536
+
+
 # --------------------------------------------------------------------------------------------------
 # The skeleton and its layers
 
@@ -503,3 +555,50 @@ class LayerStream:
     def resident_state(self) -> dict[str, Tensor]:
         inside = tuple(self.prefixes)
         return {n: t for n, t in self.model.state_dict().items() if not n.startswith(inside) and n not in self.tied}
+
+
+# --------------------------------------------------------------------------------------------------
+# A method that rewrites the model one layer at a time
+
+
+def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=None, overwrite: bool = False,
+            inputs=(), source_name: str | None = None, progress: bool = True, finish=None) -> None:
+    """Write `stream`'s model to `out` as `save` writes it, one decoder layer at a time: layer i is read, handed to
+    `work(i)` (which may replace its modules: the file takes the shapes it leaves), appended to the weights file
+    and released. The source fingerprint is the checkpoint's as read (what loading it whole records); `finish()`
+    runs on the skeleton, every layer done, before the manifest is written (the method records itself there)."""
+    from tqdm.auto import tqdm
+
+    from .files import Fingerprint
+    from .io import WEIGHTS, streamed_save
+
+    model = stream.model
+    model._mlpsurgery_path = str(stream.folder)
+    first, last = stream.outside_names()
+    fp = Fingerprint(model)
+    state = model.state_dict()
+    for name in first:
+        fp.add(name, state[name])
+    with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs) as tmp:
+        writer = SafetensorsAppender(tmp / WEIGHTS, header_reserve(stream.layout()))
+        try:
+            for name, t in stream.resident_state().items():
+                writer.write(name, t)
+            for i in tqdm(range(stream.n_layers), desc=desc, unit="layer", disable=not progress):
+                stream.materialise(i)
+                for name, t in stream.layer_state(i).items():
+                    fp.add(name, t)
+                work(i)
+                for name, t in stream.layer_state(i).items():
+                    writer.write(name, t)
+                stream.release(i)
+        except BaseException:
+            writer.abandon()  # the temporary folder goes with it
+            raise
+        writer.close({"format": "pt", **stream.tied})
+        for name in last:
+            fp.add(name, state[name])
+        model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
+        if finish is not None:
+            finish()
+

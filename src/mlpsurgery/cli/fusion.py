@@ -36,6 +36,8 @@ def run_fuse(args) -> dict:
                        tune_lr=args.tune_lr)
     cfg.validate()
     t0 = time.perf_counter()
+    if args.layerwise:
+        return _fuse_layerwise(args, cfg, t0)
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
     model = loaded.model.to(device_of(args))
@@ -53,6 +55,26 @@ def run_fuse(args) -> dict:
     report.update(model=loaded.source, out=args.out, mlp_params_before=before["mlp"], mlp_params_after=after["mlp"],
                   params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0)
     # the per-layer error, drawn into the output folder (beside the model, not one of its files)
+    report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
+    return report
+
+
+def _fuse_layerwise(args, cfg, t0: float) -> dict:
+    """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion_layerwise.py)."""
+    from ..errors import MLPSurgeryError
+    from ..methods.fusion_layerwise import check_layerwise, fuse_layerwise
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+    check_layerwise(cfg, tune=bool(args.tune_data))
+    if args.task != "auto" or args.checkpoint_dir:
+        raise MLPSurgeryError("--layerwise compresses the checkpoint's own class without tuning: drop --task and "
+                              "--checkpoint-dir, or drop --layerwise")
+    folder, source = checkpoint_folder(args.model)
+    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
+    report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
+                            overwrite=args.overwrite, inputs=[args.model], source_name=name or "smollm2",
+                            progress=progress(args))
+    report.update(model=source, out=args.out, seconds=time.perf_counter() - t0)
     report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
     return report
 
@@ -180,6 +202,9 @@ def register(sub, groups) -> None:
                    help="model head to load (classifier: a sequence-classification head, give --num-labels)")
     p.add_argument("--num-labels", type=integer(2))
     p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
+                   "embeddings); the same folder as without it; data-free methods only (no --tune-data)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(groups["eval"], "ntk", run_ntk, render_ntk,

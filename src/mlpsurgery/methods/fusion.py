@@ -395,6 +395,13 @@ class _ErrorProbes:
         return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def count_after(site: MLPSite, row: dict) -> None:
+    """A compressed layer's parameter and non-zero counts, into its report row."""
+    params = list(site.parameters())
+    row["params_after"] = sum(p.numel() for p in params)
+    row["nonzero_after"] = sum(int((p != 0).sum()) for p in params)
+
+
 def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
     """name -> parameter of the MLPs at `layers` (whatever module now computes them)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -456,14 +463,9 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
             "seconds": res.seconds}
 
 
-def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor | None = None,
-         progress: bool = True, checkpoint_dir=None) -> dict:
-    """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
-    `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
-    model's history (saved by mlpsurgery.save)."""
-    cfg = config or FusionConfig()
-    cfg.validate()
-    sites = find_sites(model)
+def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
+    """The layers cfg chooses and the width k they are compressed to (default a quarter of the narrowest);
+    refuses a choice of no layer and a width outside 1..h."""
     layers = parse_layers(cfg.layers, len(sites), DEFAULT_LAYERS)
     if not layers:
         raise MLPSurgeryError(f"layer selection {cfg.layers!r} chose no layer of this {len(sites)}-layer model")
@@ -475,6 +477,18 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     bad = sorted(h for h in hs if not 1 <= k <= h)
     if bad:
         raise MLPSurgeryError(f"width {k} is not between 1 and the MLP inner width {bad[0]}; choose a smaller --width")
+    return layers, k
+
+
+def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor | None = None,
+         progress: bool = True, checkpoint_dir=None) -> dict:
+    """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
+    `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
+    model's history (saved by mlpsurgery.save)."""
+    cfg = config or FusionConfig()
+    cfg.validate()
+    sites = find_sites(model)
+    layers, k = layers_and_width(sites, cfg)
     if cfg.importance == "activation" and cfg.method == "neuron" and tune_data is None:
         raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
     capture = None
@@ -492,9 +506,7 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
             rows[-1]["pruning"] = magnitude_prune(model, 1.0 - k / rows[-1]["h"], parts="ffn", layers=[i])
         rows[-1]["error_rel"] = probes.error(i)
     for r in rows:
-        params = list(sites.mlp[r["layer"]].parameters())
-        r["params_after"] = sum(p.numel() for p in params)
-        r["nonzero_after"] = sum(int((p != 0).sum()) for p in params)
+        count_after(sites.mlp[r["layer"]], r)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description}
     if capture is not None:

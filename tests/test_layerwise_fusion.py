@@ -1,0 +1,145 @@
+"""Layer-sequential fusion (methods/fusion_layerwise.py): one layer in memory at a time, the compressed layers
+appended to a file whose header is written last, and the folder equal to what `fuse` + `save` write."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.io import MANIFEST, load, save
+from mlpsurgery.layerwise import SafetensorsAppender, header_reserve
+from mlpsurgery.methods.fusion import FusionConfig, fuse
+from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+from mlpsurgery.models import load_model
+from mlpsurgery.tiny import ARCHITECTURES, tiny_model
+
+
+def _folder(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
+    m = tiny_model(arch, **overrides).to(dtype)
+    d = tmp_path / f"ckpt-{arch}"
+    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
+    return d
+
+
+def _tensors(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _same_folders(a_dir, b_dir):
+    a, b = _tensors(a_dir), _tensors(b_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
+    for key in ("source", "history", "masks", "dtype", "model_class", "modules"):
+        assert ja[key] == jb[key], key
+    assert ja["modules"] and ja["history"][-1]["method"] == "fusion"  # something was compressed
+
+
+def _whole(folder, out, cfg, dtype=None):
+    loaded = load_model(folder, dtype=dtype)
+    report = fuse(loaded.model, cfg, progress=False)
+    save(loaded.model, out)
+    return report
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layerwise_fusion_equals_whole_model_bit_for_bit(tmp_path, arch):
+    src = _folder(tmp_path, arch)
+    cfg = FusionConfig(width=16, layers="all", n_init=1)
+    whole = _whole(src, tmp_path / "whole", cfg)
+    lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["sites"] == whole["sites"] and lw["width"] == whole["width"] == 16
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ya, yb = load(tmp_path / "whole")(input_ids=ids), load(tmp_path / "lw")(input_ids=ids)
+    key = "logits" if "logits" in ya else "last_hidden_state"
+    assert torch.equal(ya[key], yb[key])
+
+
+@pytest.mark.parametrize("method", ["cluster", "svd", "sketch", "mmd", "neuron", "random"])
+def test_every_data_free_baseline_layer_by_layer_equals_whole_model(tmp_path, method):
+    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    cfg = FusionConfig(width=12, method=method, n_init=1, mmd_steps=10)  # default layers: the last two thirds
+    whole = _whole(src, tmp_path / "whole", cfg)
+    lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["sites"] == whole["sites"] and lw["layers"] == [1, 2]
+    assert lw["mlp_params_after"] < lw["mlp_params_before"]
+
+
+def test_layerwise_fusion_reads_bfloat16_shards(tmp_path):
+    src = _folder(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=4)
+    assert (src / "model.safetensors.index.json").is_file()
+    cfg = FusionConfig(width=16, layers="1-2", n_init=1)
+    _whole(src, tmp_path / "whole", cfg, dtype=torch.bfloat16)
+    lw = fuse_layerwise(src, tmp_path / "lw", cfg, dtype=torch.bfloat16, progress=False)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["dtype"] == "bfloat16" and lw["layers"] == [1, 2]
+
+
+def test_layerwise_fusion_refuses_what_it_cannot_do_before_writing(tmp_path):
+    src = _folder(tmp_path, "llama")
+    with pytest.raises(MLPSurgeryError, match="prune --layerwise"):
+        fuse_layerwise(src, tmp_path / "o1", FusionConfig(method="magnitude", width=8), progress=False)
+    with pytest.raises(MLPSurgeryError, match="tune data"):
+        fuse_layerwise(src, tmp_path / "o2", FusionConfig(method="neuron", importance="activation", width=8),
+                       progress=False)
+    with pytest.raises(MLPSurgeryError, match="width"):
+        fuse_layerwise(src, tmp_path / "o3", FusionConfig(width=10_000), progress=False)
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+def test_appended_safetensors_file_reads_back_and_refuses_a_header_past_its_space(tmp_path):
+    t = {"b": torch.randn(3, 4), "a": torch.randn(5).bfloat16(), "m": torch.rand(2, 3) > 0.5, "e": torch.zeros(0, 2)}
+    w = SafetensorsAppender(tmp_path / "x.safetensors", header_reserve({k: (v.dtype, v.shape) for k, v in t.items()}))
+    for k in ("m", "a", "e", "b"):  # any order, shapes known only as they come
+        w.write(k, t[k])
+    w.close({"format": "pt"})
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) for k in t)
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    assert (8 + struct.unpack("<Q", raw[:8])[0]) % 8 == 0
+    w = SafetensorsAppender(tmp_path / "y.safetensors", 64)
+    w.write("a-rather-long-name-" * 4, torch.zeros(2))
+    with pytest.raises(MLPSurgeryError, match="outgrew"):
+        w.close()
+    w = SafetensorsAppender(tmp_path / "z.safetensors", 4096)
+    w.write("a", torch.zeros(2))
+    with pytest.raises(MLPSurgeryError, match="twice"):
+        w.write("a", torch.zeros(2))
+
+
+def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+    common = ["fuse", str(src), "--width", "12", "--layers", "all", "--n-init", "1", "--quiet", "--json"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["layerwise"] and lw["sites"] == whole["sites"]
+    assert (lw["mlp_params_before"], lw["mlp_params_after"]) == (whole["mlp_params_before"], whole["mlp_params_after"])
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "lw" / "tokenizer_config.json").is_file()
+    # refused, exit 2, nothing written: tune data, the magnitude baseline, a model without files
+    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen",
+                 "--out", str(tmp_path / "x1")]) == 2
+    assert main(["fuse", str(src), "--width", "8", "--method", "magnitude", "--layerwise",
+                 "--out", str(tmp_path / "x2")]) == 2
+    assert main(["fuse", "tiny:llama", "--width", "8", "--layerwise", "--out", str(tmp_path / "x3")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
