@@ -26,7 +26,7 @@ ACTIONS = ("rank", "sweep")
 # The options each form accepts (argparse dests); the others must keep their defaults.
 TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
               "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
-              "seed", "checkpoint", "overwrite"}
+              "seed", "checkpoint", "overwrite", "layerwise"}
 RANK_OPTS = {"out", "rank", "budget", "form", "overwrite"}
 SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
 
@@ -89,6 +89,8 @@ def run_nest(args) -> dict:
         ranks=_ranks(args.ranks), n_ranks=args.n_ranks, objective=args.objective, sampling=args.sampling,
         curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
+    if args.layerwise:
+        return _nest_layerwise(args, cfg)
     device = device_of(args)
     if parallel.launched():  # torchrun --nproc-per-node N: the training is sharded over the ranks (FSDP2)
         device = parallel.rank_device(device)
@@ -98,6 +100,27 @@ def run_nest(args) -> dict:
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
                          overwrite=args.overwrite, device=device, progress=progress(args))
     return {"action": "train", **out}
+
+
+def _nest_layerwise(args, cfg) -> dict:
+    """`nest --layerwise`: the SVD surgery one decoder layer at a time (methods/nsn/layerwise.py), no training."""
+    from .. import parallel
+    from ..io import check_out
+    from ..methods.nsn.layerwise import nest_layerwise
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+    if args.train_steps or args.data or parallel.launched():
+        raise MLPSurgeryError("--layerwise nests without training (--train-steps 0, no --data, one process): train "
+                              "the folder it writes afterwards, or drop --layerwise")
+    model = args.words[0] if args.words else None
+    check_out(args.out, args.overwrite, inputs=[model])
+    folder, source = checkpoint_folder(model)
+    name = model if model in (None, "smollm2", "minilm") else Path(model).name
+    stage(args, f"nesting {source} layer by layer into {args.out}")
+    out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
+                         overwrite=args.overwrite, inputs=[model], source_name=name or "smollm2",
+                         progress=progress(args))
+    return {"action": "train", "model": source, **out}
 
 
 def _log_var(r: dict) -> str:
@@ -184,6 +207,9 @@ def register(sub, groups) -> None:
     g.add_argument("--seed", type=integer(0), default=0)
     g.add_argument("--checkpoint", help="training checkpoint folder (default DIR.ckpt beside --out; removed after "
                                         "the save; rerun the same command to resume)")
+    g.add_argument("--layerwise", action="store_true",
+                   help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
+                        "embeddings); the same folder as without it; no training (train the folder afterwards)")
 
     g = p.add_argument_group("nest rank DIR")
     g.add_argument("--rank", type=integer(1), help="the rank to fix (each projection capped at its max rank)")

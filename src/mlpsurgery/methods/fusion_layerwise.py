@@ -2,7 +2,7 @@
 
 The per-layer work is fusion.py's own (`compress_site` and the error probes on seeded random rows), run in the
 same layer order with the same generators, so the folder holds what `fuse` + `save` write: the same tensors,
-modules, history and source fingerprint (tests/test_layerwise_fusion.py checks them bit for bit). Only one
+modules, history and source fingerprint (tests/test_layerwise_reshape.py checks them bit for bit). Only one
 decoder layer is in memory at a time (`layerwise.rewrite`): it is read from the safetensors files, compressed,
 appended to the output and dropped; a compressed MLP changes shape, so the output's header is written last.
 

@@ -77,16 +77,27 @@ def _slots(model: nn.Module, modules: str = "mlp+attn", layers: list[int] | None
             yield from (_Slot(sites.attn[i], role, m) for role, m in sites.attn[i].linears().items())
 
 
+def check_config(cfg: NSNConfig) -> None:
+    if cfg.modules not in MODULE_CHOICES:
+        raise MLPSurgeryError(f"modules must be one of {', '.join(MODULE_CHOICES)}, not {cfg.modules!r}")
+    if cfg.max_rank is not None and cfg.max_rank < 1:
+        raise MLPSurgeryError(f"max_rank must be at least 1, not {cfg.max_rank}")
+
+
+def nest_slot(slot: _Slot, cfg: NSNConfig) -> None:
+    """One projection replaced by its SVD-initialised NestedLinear (rank capped at min(in, out))."""
+    weight, bias = linear_weight(slot.module)
+    R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
+    slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
+
+
 def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False) -> nn.Module:
     """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
     progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections)."""
     from tqdm.auto import tqdm
 
     cfg = cfg or NSNConfig()
-    if cfg.modules not in MODULE_CHOICES:
-        raise MLPSurgeryError(f"modules must be one of {', '.join(MODULE_CHOICES)}, not {cfg.modules!r}")
-    if cfg.max_rank is not None and cfg.max_rank < 1:
-        raise MLPSurgeryError(f"max_rank must be at least 1, not {cfg.max_rank}")
+    check_config(cfg)
     layers = parse_layers(cfg.layers, len(find_sites(model)))
     slots = list(_slots(model, cfg.modules, layers))
     done = [f"layer {s.index} {s.role}" for s in slots if isinstance(s.module, NestedLinear)]
@@ -94,9 +105,7 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False)
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
     for slot in tqdm(slots, desc="SVD", unit="projection", disable=not progress):
-        weight, bias = linear_weight(slot.module)
-        R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
-        slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
+        nest_slot(slot, cfg)
     record(model, "nsn", asdict(cfg), projections=len(slots))
     return model
 

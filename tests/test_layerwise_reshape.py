@@ -1,4 +1,4 @@
-"""Layer-sequential fusion (methods/fusion_layerwise.py): one layer in memory at a time, the compressed layers
+"""Layer-sequential fusion and NSN surgery (methods/fusion_layerwise.py, methods/nsn/layerwise.py): one layer in memory at a time, the compressed layers
 appended to a file whose header is written last, and the folder equal to what `fuse` + `save` write."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _tensors(folder):
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _same_folders(a_dir, b_dir):
+def _same_folders(a_dir, b_dir, method="fusion"):
     a, b = _tensors(a_dir), _tensors(b_dir)
     assert a.keys() == b.keys()
     for k in a:
@@ -40,7 +40,7 @@ def _same_folders(a_dir, b_dir):
     ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
     for key in ("source", "history", "masks", "dtype", "model_class", "modules"):
         assert ja[key] == jb[key], key
-    assert ja["modules"] and ja["history"][-1]["method"] == "fusion"  # something was compressed
+    assert ja["modules"] and ja["history"][-1]["method"] == method  # something was replaced
 
 
 def _whole(folder, out, cfg, dtype=None):
@@ -143,3 +143,36 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
                  "--out", str(tmp_path / "x2")]) == 2
     assert main(["fuse", "tiny:llama", "--width", "8", "--layerwise", "--out", str(tmp_path / "x3")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
+
+
+# ---- NSN surgery (methods/nsn/layerwise.py) -----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layerwise_nesting_equals_whole_model_bit_for_bit(tmp_path, arch):
+    from mlpsurgery.methods.nsn import NSNConfig, nest
+    from mlpsurgery.methods.nsn.layerwise import nest_layerwise
+
+    src = _folder(tmp_path, arch)
+    cfg = NSNConfig(max_rank=8, modules="mlp+attn", layers="all")
+    loaded = load_model(src)
+    nest(loaded.model, cfg)
+    save(loaded.model, tmp_path / "whole")
+    lw = nest_layerwise(src, tmp_path / "lw", cfg, progress=False)
+    _same_folders(tmp_path / "whole", tmp_path / "lw", method="nsn")
+    assert lw["projections"] == len([m for m in loaded.model.modules() if type(m).__name__ == "NestedLinear"])
+
+
+def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = _folder(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=3)
+    byte_tokenizer().save_pretrained(src)
+    common = ["nest", str(src), "--max-rank", "6", "--layers", "1-2", "--dtype", "auto", "--quiet", "--json"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
+    capsys.readouterr()
+    _same_folders(tmp_path / "whole", tmp_path / "lw", method="nsn")
+    assert main(["nest", str(src), "--layerwise", "--train-steps", "2", "--out", str(tmp_path / "x1")]) == 2
+    assert main(["nest", "tiny:llama", "--layerwise", "--out", str(tmp_path / "x2")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2"))
