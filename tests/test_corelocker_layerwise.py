@@ -53,25 +53,30 @@ def _whole(src, out, key, cfg, dtype=None):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_layerwise_lock_equals_the_whole_model_lock_bit_for_bit(tmp_path, arch):
+@pytest.mark.parametrize("unit", ["weight", "neuron", "head"])
+def test_layerwise_lock_equals_the_whole_model_lock_bit_for_bit(tmp_path, arch, unit):
     src = _folder(tmp_path, arch)
-    cfg = CoreLockerConfig(ratio=0.1)
+    cfg = CoreLockerConfig(ratio=0.1 if unit != "head" else 0.25, unit=unit)
     whole = _whole(src, tmp_path / "whole", tmp_path / "whole.key", cfg)
     lw = lock_layerwise(src, tmp_path / "lw", tmp_path / "lw.key", cfg, progress=False)
     _same_lock(tmp_path, "whole", "lw")
     for k in ("units_extracted", "units_eligible", "entries", "model_params", "locked_fingerprint", "key_bytes"):
         assert whole[k] == lw[k], k
     assert stat.S_IMODE((tmp_path / "lw.key").stat().st_mode) == 0o600
-    # the key unlocks the layer-by-layer folder into the original, bit for bit
+    # the key unlocks the layer-by-layer folder into the original, bit for bit, whole or layer by layer
     unlock_folder(tmp_path / "lw", tmp_path / "lw.key", tmp_path / "back")
+    unlock_layerwise(tmp_path / "lw", tmp_path / "lw.key", tmp_path / "back-lw")
     original = load_model(src).model.state_dict()
-    back = load(tmp_path / "back").state_dict()
-    assert all(torch.equal(original[n], back[n]) for n in original)
+    for back in (load(tmp_path / "back").state_dict(), load(tmp_path / "back-lw").state_dict()):
+        assert all(torch.equal(original[n], back[n]) for n in original)
 
 
 @pytest.mark.parametrize("cfg", [CoreLockerConfig(ratio=0.2, scope="layer"),
                                  CoreLockerConfig(ratio=0.05, indicator="random", seed=3),
-                                 CoreLockerConfig(ratio=0.05, include_io=True)])
+                                 CoreLockerConfig(ratio=0.05, include_io=True),
+                                 CoreLockerConfig(ratio=0.1, unit="neuron"),
+                                 CoreLockerConfig(ratio=0.25, unit="head", scope="layer"),
+                                 CoreLockerConfig(ratio=0.3, indicator="scale")])
 def test_layerwise_lock_other_settings_and_bfloat16_shards(tmp_path, cfg):
     # per-layer scope, the random baseline, the embeddings / head included (resident, extracted after the layers);
     # a bfloat16 checkpoint in shards, locked in bfloat16 and (cast on reading) in float32
@@ -86,9 +91,9 @@ def test_layerwise_lock_other_settings_and_bfloat16_shards(tmp_path, cfg):
 
 def test_layerwise_lock_refuses_before_writing(tmp_path):
     src = _folder(tmp_path, "llama")
-    for cfg in (CoreLockerConfig(ratio=0.1, unit="neuron"), CoreLockerConfig(ratio=0.1, indicator="scale")):
-        with pytest.raises(MLPSurgeryError, match="drop --layerwise"):
-            lock_layerwise(src, tmp_path / "out", tmp_path / "k.key", cfg, progress=False)
+    with pytest.raises(MLPSurgeryError, match="drop --layerwise"):
+        lock_layerwise(src, tmp_path / "out", tmp_path / "k.key", CoreLockerConfig(ratio=0.1, unit="filter"),
+                       progress=False)
     with pytest.raises(MLPSurgeryError, match="key"):  # the key inside the folder handed out
         lock_layerwise(src, tmp_path / "out", tmp_path / "out" / "k.key", CoreLockerConfig(ratio=0.1), progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "k.key").exists()
@@ -104,7 +109,7 @@ def test_cli_lock_key_layerwise_equals_the_whole_model_command(tmp_path, capsys)
     res = json.loads(capsys.readouterr().out)
     assert res["layerwise"] and res["dtype"] == "bfloat16"
     _same_lock(tmp_path, "whole", "lw")
-    for bad in (["--measure"], ["--unit", "head"], ["--task", "causal-lm"]):
+    for bad in (["--measure"], ["--unit", "filter"], ["--task", "causal-lm"]):
         code = main([*base, "--layerwise", "--out", str(tmp_path / "x"), "--key", str(tmp_path / "x.key"), *bad])
         assert code == 2 and "--layerwise" in capsys.readouterr().err
         assert not (tmp_path / "x").exists() and not (tmp_path / "x.key").exists()

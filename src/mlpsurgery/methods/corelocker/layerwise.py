@@ -1,11 +1,12 @@
 """`lock key --layerwise` and `unlock --layerwise`: CoreLocker on a checkpoint read one decoder layer at a time
-(layerwise.py).
+(layerwise.py), for weight, neuron and head units and the l1, random and scale indicators.
 
 The same ranking, extraction, hashes, key and folder as `lock_folder` on the whole model (tests/test_layerwise.py
 checks the key and the locked weights equal bit for bit), but the weights are never all in memory:
 
 - ranking: each weight group's scores are read from the checkpoint when the streaming selection asks for them
   (`ranking.global_top` makes three passes over the groups, each holding one matrix's scores; `--scope layer` one);
+  neuron, head and norm-channel scores (one number per unit) are computed with each layer read once beforehand;
 - extraction: layer by layer -- read it, hash its tensors (the original's fingerprint), write the locked values,
   hash again (the locked model's), write it into the output file, drop it;
 - the parts outside the layers (embeddings, final norm, head) are resident; with `--include-io` their extraction is
@@ -20,6 +21,7 @@ and original values (5% of the weights: for a 2 B model 94 M positions).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from dataclasses import asdict
@@ -44,10 +46,11 @@ from .units import unit_groups
 
 
 def check_layerwise(cfg: CoreLockerConfig) -> None:
-    """The settings the layer-sequential lock supports: weight units ranked by |w| or at random."""
-    if cfg.unit != "weight" or cfg.indicator not in ("l1", "random"):
-        raise MLPSurgeryError(f"--layerwise locks weight units ranked by l1 or random, not --unit {cfg.unit} "
-                              f"--indicator {cfg.indicator}: drop --layerwise, or use --unit weight --indicator l1")
+    """The settings the layer-sequential lock supports: a transformer's weight, neuron and head units (and norm
+    channels, the scale indicator), not a plain network's filters."""
+    if cfg.unit not in ("weight", "neuron", "head"):
+        raise MLPSurgeryError(f"--layerwise locks a transformer's weight, neuron or head units, not --unit {cfg.unit}: "
+                              "drop --layerwise")
 
 
 @ends_stages
@@ -69,10 +72,18 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     inside = tuple(stream.prefixes)
     params = dict(model.named_parameters())
 
-    stage(f"ranking the weight units by {cfg.indicator} ({cfg.scope}), reading each matrix from {folder}", progress)
-    groups = unit_groups(model, cfg)
+    stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope}), reading each layer from {folder}", progress)
+    @contextlib.contextmanager
+    def visit(i: int):  # neuron, head and norm-channel scores: from layer i, read for the moment they take
+        stream.materialise(i)
+        try:
+            yield
+        finally:
+            stream.release(i)
+
+    groups = unit_groups(model, cfg, visit=visit)
     for g in groups:  # scores of a layer's matrix from the file (the skeleton's parameter is on the meta device)
-        if cfg.indicator == "l1" and g.name.startswith(inside):
+        if cfg.unit == "weight" and cfg.indicator == "l1" and g.name.startswith(inside):
             g.scores = lambda name=g.name: stream._read(name, params[name]).abs().flatten().float()
     ranking = Ranking(groups, cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken: no sort by score
     extraction, n_units = ranking.take(cfg.ratio)

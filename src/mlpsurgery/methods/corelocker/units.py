@@ -4,6 +4,7 @@ plain PyTorch models with the norm channel and consumers that read them (channel
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -92,14 +93,19 @@ def _norm_group(prefix: str, mod: nn.Module, plus_one: bool, cfg: CoreLockerConf
 def _shadow_codes(site: MLPSite | AttnSite, layer_path: str):
     """Canonical weights of `site` whose entries are the flat positions of the layer's parameters
     (read from a float64 copy of the layer holding arange codes), and a decoder code -> (name, pos)."""
-    shadow = copy.deepcopy(site.layer)
+    shadow = copy.deepcopy(site.layer)  # a skeleton's layer (meta device) works too: only shapes are read
     names, offsets, off = [], [], 0
-    with torch.no_grad():
-        for n, p in shadow.named_parameters():
-            p.data = torch.arange(off, off + p.numel(), dtype=torch.float64).view(p.shape)
-            names.append(f"{layer_path}.{n}")
-            offsets.append(off)
-            off += p.numel()
+    codes: dict[int, nn.Parameter] = {}
+    for n, p in shadow.named_parameters():
+        codes[id(p)] = nn.Parameter(torch.arange(off, off + p.numel(), dtype=torch.float64).view(p.shape),
+                                    requires_grad=False)
+        names.append(f"{layer_path}.{n}")
+        offsets.append(off)
+        off += p.numel()
+    for mod in shadow.modules():  # every alias of a shared parameter gets its codes
+        for k, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[k] = codes[id(p)]
     weights = dataclasses.replace(site, layer=shadow).read().map(lambda t: t.long())
     starts = torch.tensor(offsets)
 
@@ -148,7 +154,10 @@ def _head_group(site: AttnSite, path: str, cfg: CoreLockerConfig, g: int) -> Uni
     return UnitGroup(f"{path}.attn", scores.float(), members)
 
 
-def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGroup]:
+def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig, visit=None) -> list[UnitGroup]:
+    """visit(i): a context in which layer i's weights are present (the layer-sequential lock reads it from the
+    checkpoint there); neuron, head and norm scores are computed inside it, weight units' on demand."""
+    visit = visit or (lambda i: contextlib.nullcontext())
     sites = find_sites(model)
     pnames = _param_names(model)
     paths = {id(m): n for n, m in model.named_modules()}
@@ -171,8 +180,9 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGro
             # norms the sites layer does not name (BERT's attention-output LayerNorm, q/k norms) are
             # found by structure: a module of the layer with a 1-D weight whose class is a norm.
             others = [m for m in mlp.layer.modules() if _is_norm(m) and all(m is not e for e in exposed)]
-            for mod in exposed + others:
-                groups.append(_norm_group(paths[id(mod)], mod, sites.spec.norm_plus_one, cfg, len(groups)))
+            with visit(mlp.index):
+                for mod in exposed + others:
+                    groups.append(_norm_group(paths[id(mod)], mod, sites.spec.norm_plus_one, cfg, len(groups)))
         return groups
     if cfg.unit == "weight":
         for mlp, attn in zip(sites.mlp, sites.attn):
@@ -193,8 +203,9 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGro
         return groups
     for mlp, attn in zip(sites.mlp, sites.attn):
         path = paths[id(mlp.layer)]
-        groups.append(_neuron_group(mlp, path, cfg, len(groups)) if cfg.unit == "neuron"
-                      else _head_group(attn, path, cfg, len(groups)))
+        with visit(mlp.index):
+            groups.append(_neuron_group(mlp, path, cfg, len(groups)) if cfg.unit == "neuron"
+                          else _head_group(attn, path, cfg, len(groups)))
     return groups
 
 
@@ -381,11 +392,11 @@ def _generic_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGroup]:
     return groups
 
 
-def unit_groups(model: nn.Module, cfg: CoreLockerConfig) -> list[UnitGroup]:
-    """The eligible units of `model` under `cfg`, grouped per layer-level place."""
+def unit_groups(model: nn.Module, cfg: CoreLockerConfig, visit=None) -> list[UnitGroup]:
+    """The eligible units of `model` under `cfg`, grouped per layer-level place (visit: see _transformer_groups)."""
     cfg.validate()
     try:
-        groups = _transformer_groups(model, cfg)
+        groups = _transformer_groups(model, cfg, visit)
     except UnsupportedArchitectureError:
         groups = _generic_groups(model, cfg)
     groups = [g for g in groups if len(g)]
