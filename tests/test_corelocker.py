@@ -528,3 +528,21 @@ def test_extraction_positions_are_sorted_and_unique_with_or_without_the_fast_pat
     for parts in cases:
         got = rk._sorted_unique([p.long() for p in parts])
         assert torch.equal(got, torch.unique(torch.cat(parts).long())), parts
+
+
+def test_a_ratio_that_selects_no_unit_is_refused_before_anything_is_written(tmp_path):
+    """4 heads x 2 layers at 5%: round(0.4) = 0 units. A key that holds nothing locks nothing: refused, whole
+    model or layer by layer, with the smallest ratio that selects one."""
+    from mlpsurgery.methods.corelocker.layerwise import lock_layerwise
+
+    model = tiny_model("llama")
+    cfg = CoreLockerConfig(ratio=0.05, unit="head")
+    with pytest.raises(MLPSurgeryError, match="selects none of the 8 head units.*at least 0.125"):
+        lock_folder(model, tmp_path / "out", tmp_path / "k.key", cfg, progress=False)
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(MLPSurgeryError, match="selects none"):
+        lock_layerwise(tmp_path / "src", tmp_path / "out", tmp_path / "k.key", cfg, progress=False)
+    layer = CoreLockerConfig(ratio=0.005, unit="neuron", scope="layer")  # 64 neurons a layer: round(0.32) = 0
+    with pytest.raises(MLPSurgeryError, match="of the largest group"):
+        lock_folder(tiny_model("llama"), tmp_path / "out", tmp_path / "k.key", layer, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "k.key").exists()

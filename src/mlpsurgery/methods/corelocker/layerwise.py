@@ -86,6 +86,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
         if cfg.unit == "weight" and cfg.indicator == "l1" and g.name.startswith(inside):
             g.scores = lambda name=g.name: stream._read(name, params[name]).abs().flatten().float()
     ranking = Ranking(groups, cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken: no sort by score
+    ranking.require_some(cfg.ratio, cfg.unit)
     extraction, n_units = ranking.take(cfg.ratio)
     n_eligible = ranking.n_units
     del ranking, groups

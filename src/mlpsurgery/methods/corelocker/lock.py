@@ -26,6 +26,7 @@ def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = 
     if ranking is None:
         stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope})", progress)
         ranking = Ranking(unit_groups(model, cfg), cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken
+    ranking.require_some(cfg.ratio, cfg.unit)
     stage(f"extracting {ranking.count(cfg.ratio):,} of {ranking.n_units:,} {cfg.unit} units", progress)
     extraction, n_units = ranking.take(cfg.ratio)
     values = apply_extraction(model, extraction)

@@ -36,6 +36,14 @@ class Ranking:
                                      sorted=True).indices for g in groups]
         self.max_ratio = max_ratio
 
+    def require_some(self, ratio: float, unit: str) -> None:
+        """Refuse a lock that would extract nothing: a key that holds no unit locks nothing."""
+        if self.count(ratio) == 0:
+            n = self.n_units if self.scope == "global" else max(self.sizes)
+            raise MLPSurgeryError(f"--ratio {ratio} selects none of the {n:,} {unit} units"
+                                  f"{'' if self.scope == 'global' else ' of the largest group'} (it rounds to 0): "
+                                  f"raise --ratio to at least {1 / n:.3g}, or choose a finer --unit")
+
     def count(self, ratio: float) -> int:
         """Units extracted at `ratio`."""
         if self.scope == "global":
