@@ -506,6 +506,7 @@ def test_adaptation_cost_is_the_first_time_each_route_reaches_the_originals_fine
         run("finetune lr=1e-4 locked", "ft", [(0, 6.0), (30, 4.0), (60, 3.0)], 60),
         run("finetune lr=1e-3 locked", "ft", [(0, 6.0), (25, float("nan"))], 25),  # diverged: never reaches
         run("LoRA attention locked", "lora", [(0, 6.0), (40, 5.0)], 40),  # never reaches in 40 s
+        run("LoRA on DLR locked", "lora", [(0, 6.0), (90, 4.5)], 90),  # nor in 90 s: the route costs >= 40 s, not 90
         {**run("finetune lr=1e-2 locked", "ft2", [(0, 6.0), (4, float("nan"))], 4), "diverged": True},
     ], "reverse": {"estimated_seconds_all_layers": 100.0}}
     c = dl.adaptation_costs(suite, defender_seconds=500.0)

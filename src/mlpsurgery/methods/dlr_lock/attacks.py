@@ -221,7 +221,8 @@ def adaptation_costs(suite: dict, defender_seconds: float | None = None, target:
 
     target: the held-out loss to reach; default the original's fine-tuned loss (the best final held-out loss of its
     runs). For each route, the locked model's cost is the first time one of its runs of that route got
-    to the target (None: not within the steps run, so the cost is above every second the route spent: `at_least`),
+    to the target (None: not within the steps run; each run would get there, if at all, after the seconds it spent,
+    so the route -- the attacker's pick of its runs -- costs at least the shortest of them: `at_least`),
     and the original's cost is the cheapest time any of the original's runs got there. Reverse distillation is a
     route of its own: distil every DLR-Net back into a dense MLP (the measured seconds per layer x the locked
     layers) and then fine-tune the dense model as the original is fine-tuned, which we credit to the attacker at
@@ -246,7 +247,7 @@ def adaptation_costs(suite: dict, defender_seconds: float | None = None, target:
     for family, group in routes.items():
         times = [(t, r["name"]) for r in group if (t := _first_reach(r, target)) is not None]
         live = [r for r in group if not r.get("diverged")]  # a diverged run bounds nothing: it will never get there
-        spent = max((r["history"][-1]["time_s"] if r["history"] else 0.0 for r in live), default=None)
+        spent = min((r["history"][-1]["time_s"] if r["history"] else 0.0 for r in live), default=None)
         best = min(times) if times else None
         rows.append({"route": family, "run": best[1] if best else None, "locked_seconds": best[0] if best else None,
                      "at_least": None if best else spent, "diverged": not best and not live})
