@@ -11,7 +11,9 @@ and evaluations):
   docs/results/dlr-onpolicy-ab-mix05.json, dlr-onpolicy-ab-mix0.json
 - + 300 on-policy steps + phase 2: docs/results/dlr-smollm2-onpolicy.json
 - run 4 (256 captured blocks, 700 phase-1 steps of 512 tokens, 230 on-policy steps, 60 phase-2 steps):
-  docs/results/dlr-smollm2.json, after the on-policy steps and after phase 2
+  docs/results/dlr-smollm2-run4.json, after the on-policy steps and after phase 2
+- run 5, run 4's command again (the lock the adaptation-cost table is measured on): docs/results/dlr-smollm2.json;
+  its phase 1 shared the CPU with another job for about 20 minutes, so its seconds read high
 
 The best lock at each time (the lower envelope) is fitted as ratio - 1 = c * t^-b in log-log, per corpus, and
 extrapolated to ratio 1.10 (Persuasion) / 1.25 (R8): a rough reading of the budget the present recipe would need
@@ -49,8 +51,10 @@ def points() -> list[dict]:
     add("+ 300 on-policy steps", "dlr-onpolicy-ab-mix05.json", "phase1", ("start", "phase1", "onpolicy"))
     add("+ 300 on-policy steps + phase 2", "dlr-smollm2-onpolicy.json", "phase2",
         ("start", "phase1", "onpolicy", "phase2"))
-    add("run 4: 700 x 512 + 230 on-policy", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
-    add("run 4: + phase 2 (60 steps)", "dlr-smollm2.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
+    add("run 4: 700 x 512 + 230 on-policy", "dlr-smollm2-run4.json", "phase1", ("start", "phase1", "onpolicy"))
+    add("run 4: + phase 2 (60 steps)", "dlr-smollm2-run4.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
+    add("run 5 (run 4 repeated): + 230 on-policy", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
+    add("run 5: + phase 2", "dlr-smollm2.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
     return sorted(out, key=lambda p: p["seconds"])
 
 
