@@ -601,4 +601,3 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
         model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
         if finish is not None:
             finish()
-

@@ -73,6 +73,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     params = dict(model.named_parameters())
 
     stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope}), reading each layer from {folder}", progress)
+
     @contextlib.contextmanager
     def visit(i: int):  # neuron, head and norm-channel scores: from layer i, read for the moment they take
         stream.materialise(i)

@@ -37,8 +37,9 @@ class Ranking:
         self.max_ratio = max_ratio
 
     def require_some(self, ratio: float, unit: str) -> None:
-        """Refuse a lock that would extract nothing: a key that holds no unit locks nothing."""
-        if self.count(ratio) == 0:
+        """Refuse a ratio above 0 that extracts nothing (a key that holds no unit locks nothing); ratio 0 itself
+        stays the identity, as asked."""
+        if ratio > 0 and self.count(ratio) == 0:
             n = self.n_units if self.scope == "global" else max(self.sizes)
             raise MLPSurgeryError(f"--ratio {ratio} selects none of the {n:,} {unit} units"
                                   f"{'' if self.scope == 'global' else ' of the largest group'} (it rounds to 0): "
