@@ -95,6 +95,36 @@ def test_smollm2_layerwise_sparsegpt_equals_the_whole_model_one(smollm2, tmp_pat
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
 
 
+def test_smollm2_layerwise_fusion_and_export_equal_the_whole_model_ones(smollm2, tmp_path):
+    """The real checkpoint in bfloat16, three layers fused: the layer-sequential fuse writes the same tensors as the
+    whole-model one, and export (built from the loaded tensors, consuming them) gives the same stock model as
+    to_stock's copying mode."""
+    from safetensors import safe_open
+
+    from mlpsurgery.io import export, save, to_stock
+    from mlpsurgery.methods.fusion import FusionConfig, fuse
+    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+    from mlpsurgery.models import load_model, smollm2_dir
+
+    cfg = FusionConfig(width=384, layers="27-29", n_init=1)
+    model = load_model("smollm2", dtype=torch.bfloat16).model
+    fuse(model, cfg, progress=False)
+    save(model, tmp_path / "whole")
+    fuse_layerwise(smollm2_dir(), tmp_path / "lw", cfg, dtype=torch.bfloat16, source_name="smollm2", progress=False)
+    with safe_open(str(tmp_path / "whole" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "lw" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    ref = to_stock(model).state_dict()
+    export(tmp_path / "lw", tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    tied = {"lm_head.weight", "model.embed_tokens.weight"}  # one tensor, stored once under either name
+    left = set(ref) - set(got)
+    assert all(torch.equal(got[k], ref[k]) for k in got) and len(left) == 1 and left <= tied
+
+
 @pytest.mark.parametrize("name", ["smollm2", "minilm"])
 def test_real_checkpoint_loaded_in_bfloat16_equals_transformers_load(name, request):
     # both are float32 files: --dtype bfloat16 reads them tensor by tensor and casts (models._load_cast) rather than
