@@ -41,6 +41,23 @@ def edit_manifest(folder, fn):
     path.write_text(json.dumps(m))
 
 
+def saved_checkpoint(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
+    """A tiny model of `arch` saved as a stock transformers folder (sharded when `shard` is a size): what the
+    layer-sequential mode reads."""
+    m = tiny_model(arch, **overrides).to(dtype)
+    d = tmp_path / f"ckpt-{arch}"
+    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
+    return d
+
+
+def file_tensors(folder):
+    """Every tensor of folder/model.safetensors, by name."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
 def outputs(model, ids):
     """Logits of a causal LM, last hidden state of an encoder."""
     with torch.no_grad():

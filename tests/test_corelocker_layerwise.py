@@ -8,32 +8,20 @@ import stat
 
 import pytest
 import torch
-from safetensors import safe_open
 
+from conftest import file_tensors, saved_checkpoint
 from mlpsurgery.cli import main
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load
 from mlpsurgery.methods.corelocker import CoreLockerConfig, lock_folder, read_key, unlock_folder
 from mlpsurgery.methods.corelocker.layerwise import lock_layerwise, unlock_layerwise
 from mlpsurgery.models import load_model
-from mlpsurgery.tiny import ARCHITECTURES, tiny_model
-
-
-def _folder(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
-    m = tiny_model(arch, **overrides).to(dtype)
-    d = tmp_path / f"ckpt-{arch}"
-    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
-    return d
-
-
-def _tensors(folder):
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+from mlpsurgery.tiny import ARCHITECTURES
 
 
 def _same_lock(tmp_path, a, b):
     """The two locked folders and keys (a/, a.key; b/, b.key) are the same."""
-    ta, tb = _tensors(tmp_path / a), _tensors(tmp_path / b)
+    ta, tb = file_tensors(tmp_path / a), file_tensors(tmp_path / b)
     assert ta.keys() == tb.keys()
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
@@ -55,7 +43,7 @@ def _whole(src, out, key, cfg, dtype=None):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("unit", ["weight", "neuron", "head"])
 def test_layerwise_lock_equals_the_whole_model_lock_bit_for_bit(tmp_path, arch, unit):
-    src = _folder(tmp_path, arch)
+    src = saved_checkpoint(tmp_path, arch)
     cfg = CoreLockerConfig(ratio=0.1 if unit != "head" else 0.25, unit=unit)
     whole = _whole(src, tmp_path / "whole", tmp_path / "whole.key", cfg)
     lw = lock_layerwise(src, tmp_path / "lw", tmp_path / "lw.key", cfg, progress=False)
@@ -80,7 +68,7 @@ def test_layerwise_lock_equals_the_whole_model_lock_bit_for_bit(tmp_path, arch, 
 def test_layerwise_lock_other_settings_and_bfloat16_shards(tmp_path, cfg):
     # per-layer scope, the random baseline, the embeddings / head included (resident, extracted after the layers);
     # a bfloat16 checkpoint in shards, locked in bfloat16 and (cast on reading) in float32
-    src = _folder(tmp_path, "llama", torch.bfloat16, shard="20KB", num_hidden_layers=3)
+    src = saved_checkpoint(tmp_path, "llama", torch.bfloat16, shard="20KB", num_hidden_layers=3)
     assert (src / "model.safetensors.index.json").is_file()
     for dtype in (torch.bfloat16, torch.float32):
         tag = str(dtype).split(".")[-1]
@@ -90,7 +78,7 @@ def test_layerwise_lock_other_settings_and_bfloat16_shards(tmp_path, cfg):
 
 
 def test_layerwise_lock_refuses_before_writing(tmp_path):
-    src = _folder(tmp_path, "llama")
+    src = saved_checkpoint(tmp_path, "llama")
     with pytest.raises(MLPSurgeryError, match="drop --layerwise"):
         lock_layerwise(src, tmp_path / "out", tmp_path / "k.key", CoreLockerConfig(ratio=0.1, unit="filter"),
                        progress=False)
@@ -100,7 +88,7 @@ def test_layerwise_lock_refuses_before_writing(tmp_path):
 
 
 def test_cli_lock_key_layerwise_equals_the_whole_model_command(tmp_path, capsys):
-    src = str(_folder(tmp_path, "qwen2"))
+    src = str(saved_checkpoint(tmp_path, "qwen2"))
     base = ["lock", "key", src, "--ratio", "0.05", "--dtype", "bfloat16", "--quiet"]
     assert main([*base, "--out", str(tmp_path / "whole"), "--key", str(tmp_path / "whole.key")]) == 0
     capsys.readouterr()
@@ -119,7 +107,7 @@ def test_cli_lock_key_layerwise_equals_the_whole_model_command(tmp_path, capsys)
 
 
 def _same_folder(a, b):
-    ta, tb = _tensors(a), _tensors(b)
+    ta, tb = file_tensors(a), file_tensors(b)
     assert ta.keys() == tb.keys() and all(ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]) for k in ta)
     ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a, b))
     for key in ("source", "history", "dtype", "model_class", "modules", "masks"):
@@ -128,7 +116,7 @@ def _same_folder(a, b):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_layerwise_unlock_equals_the_whole_model_unlock(tmp_path, arch):
-    src = _folder(tmp_path, arch)
+    src = saved_checkpoint(tmp_path, arch)
     _whole(src, tmp_path / "locked", tmp_path / "k.key", CoreLockerConfig(ratio=0.1, include_io=arch == "llama"))
     a = unlock_folder(tmp_path / "locked", tmp_path / "k.key", tmp_path / "whole")
     b = unlock_layerwise(tmp_path / "locked", tmp_path / "k.key", tmp_path / "lw")
@@ -143,7 +131,7 @@ def test_layerwise_unlock_refuses_a_wrong_or_altered_key_and_writes_nothing(tmp_
     from mlpsurgery.errors import IntegrityError
     from mlpsurgery.methods.corelocker import PASSPHRASE_ENV
 
-    src = _folder(tmp_path, "llama", torch.bfloat16, shard="20KB", num_hidden_layers=3)
+    src = saved_checkpoint(tmp_path, "llama", torch.bfloat16, shard="20KB", num_hidden_layers=3)
     lock_layerwise(src, tmp_path / "a", tmp_path / "a.key", CoreLockerConfig(ratio=0.1), dtype=torch.bfloat16,
                    progress=False)
     lock_layerwise(src, tmp_path / "b", tmp_path / "b.key", CoreLockerConfig(ratio=0.2), dtype=torch.bfloat16,
@@ -172,7 +160,7 @@ def test_layerwise_unlock_refuses_a_wrong_or_altered_key_and_writes_nothing(tmp_
 
 
 def test_cli_unlock_layerwise(tmp_path, capsys):
-    src = str(_folder(tmp_path, "gpt2"))
+    src = str(saved_checkpoint(tmp_path, "gpt2"))
     assert main(["lock", "key", src, "--ratio", "0.05", "--layerwise", "--out", str(tmp_path / "locked"),
                  "--key", str(tmp_path / "k.key"), "--quiet"]) == 0
     for flag, out in (([], "whole"), (["--layerwise"], "lw")):

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
+from conftest import file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load, save
 from mlpsurgery.layerwise import LayerStream, SafetensorsWriter
@@ -18,26 +18,14 @@ from mlpsurgery.methods.pruning import prune
 from mlpsurgery.methods.pruning_layerwise import _moment_bytes, prune_layerwise
 from mlpsurgery.models import load_model
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import ARCHITECTURES, tiny_model
+from mlpsurgery.tiny import ARCHITECTURES
 
 CASES = [("magnitude", 0.5, None), ("wanda", 0.5, None), ("sparsegpt", 0.5, None), ("sparsegpt", None, "2:4")]
-
-
-def _folder(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
-    m = tiny_model(arch, **overrides).to(dtype)
-    d = tmp_path / f"ckpt-{arch}"
-    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
-    return d
 
 
 def _blocks(n=6, t=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, t), generator=g)
-
-
-def _tensors(folder):
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def _whole(folder, out, method, sparsity, pattern, data, parts="both", layers=None, dtype=None):
@@ -51,11 +39,11 @@ def _whole(folder, out, method, sparsity, pattern, data, parts="both", layers=No
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("method,sparsity,pattern", CASES)
 def test_layerwise_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, method, sparsity, pattern):
-    src = _folder(tmp_path, arch)
+    src = saved_checkpoint(tmp_path, arch)
     data = _blocks()
     whole = _whole(src, tmp_path / "whole", method, sparsity, pattern, data)
     lw = prune_layerwise(src, tmp_path / "lw", method, sparsity, data=data, pattern=pattern, progress=False)
-    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
@@ -76,20 +64,20 @@ def test_layerwise_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, method
 @pytest.mark.parametrize("arch,depth", [("llama", {"num_hidden_layers": 5}), ("gpt2", {"n_layer": 5}),
                                         ("bert", {"num_hidden_layers": 5})])
 def test_layerwise_reads_shards_in_bfloat16_and_only_some_layers(tmp_path, arch, depth):
-    src = _folder(tmp_path, arch, dtype=torch.bfloat16, shard="20KB", **depth)
+    src = saved_checkpoint(tmp_path, arch, dtype=torch.bfloat16, shard="20KB", **depth)
     assert (src / "model.safetensors.index.json").is_file()
     data = _blocks()
     whole = _whole(src, tmp_path / "whole", "sparsegpt", 0.5, None, data, parts="ffn", layers=[1, 3], dtype="auto")
     lw = prune_layerwise(src, tmp_path / "lw", "sparsegpt", 0.5, parts="ffn", layers=[1, 3], data=data, dtype="auto",
                          progress=False)
-    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert all(t.dtype == torch.bfloat16 for t in b.values() if t.is_floating_point())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert lw["per_layer"] == whole["per_layer"] and lw["dtype"] == "bfloat16"
 
 
 def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_path):
-    src = _folder(tmp_path, "llama")
+    src = saved_checkpoint(tmp_path, "llama")
     data = _blocks(n=8, t=32)
     prune_layerwise(src, tmp_path / "ram", "wanda", 0.5, data=data, progress=False)
     stream = LayerStream(src)
@@ -100,7 +88,7 @@ def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_pat
     r = prune_layerwise(src, tmp_path / "disk", "wanda", 0.5, data=data, progress=False,
                         max_memory_gb=(fixed + 1.5 * acts) / 2**30)
     assert r["activations_on_disk"]
-    a, b = _tensors(tmp_path / "ram"), _tensors(tmp_path / "disk")
+    a, b = file_tensors(tmp_path / "ram"), file_tensors(tmp_path / "disk")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "disk" / ".activations").exists()
     with pytest.raises(MLPSurgeryError, match="max-memory"):
@@ -109,7 +97,7 @@ def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_pat
 
 
 def test_layerwise_refuses_what_it_cannot_do_before_writing(tmp_path):
-    src = _folder(tmp_path, "llama")
+    src = saved_checkpoint(tmp_path, "llama")
     with pytest.raises(MLPSurgeryError, match="layerwise"):
         prune_layerwise(src, tmp_path / "o1", "fisher", 0.5, data=_blocks(), progress=False)
     with pytest.raises(MLPSurgeryError, match="calibration"):
@@ -139,7 +127,7 @@ def test_streamed_safetensors_file_reads_back(tmp_path):
 
 
 def test_damaged_shard_is_refused_with_its_name(tmp_path):
-    src = _folder(tmp_path, "llama")
+    src = saved_checkpoint(tmp_path, "llama")
     raw = (src / "model.safetensors").read_bytes()
     (src / "model.safetensors").write_bytes(raw[:len(raw) // 2])  # cut short: offsets beyond the end
     with pytest.raises(MLPSurgeryError, match="model.safetensors"):
@@ -151,14 +139,14 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     from mlpsurgery.cli import main
     from mlpsurgery.tiny import byte_tokenizer
 
-    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     byte_tokenizer().save_pretrained(src)
     common = ["prune", str(src), "--method", "sparsegpt", "--sparsity", "0.5", "--calib-blocks", "4",
               "--block-len", "32", "--layers", "1-2", "--quiet", "--json"]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
     assert main([*common, "--layerwise", "--max-memory", "4", "--out", str(tmp_path / "lw")]) == 0
     capsys.readouterr()
-    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # refused, exit 2, nothing written: a method that changes shapes, a cap without the mode
     assert main(["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--layerwise",

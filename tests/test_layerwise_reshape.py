@@ -11,29 +11,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from conftest import file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load, save
 from mlpsurgery.layerwise import SafetensorsAppender, header_reserve
 from mlpsurgery.methods.fusion import FusionConfig, fuse
 from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
 from mlpsurgery.models import load_model
-from mlpsurgery.tiny import ARCHITECTURES, tiny_model
-
-
-def _folder(tmp_path, arch, dtype=torch.float32, shard=None, **overrides):
-    m = tiny_model(arch, **overrides).to(dtype)
-    d = tmp_path / f"ckpt-{arch}"
-    m.save_pretrained(d, max_shard_size=shard) if shard else m.save_pretrained(d)
-    return d
-
-
-def _tensors(folder):
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+from mlpsurgery.tiny import ARCHITECTURES
 
 
 def _same_folders(a_dir, b_dir, method="fusion"):
-    a, b = _tensors(a_dir), _tensors(b_dir)
+    a, b = file_tensors(a_dir), file_tensors(b_dir)
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
@@ -52,7 +41,7 @@ def _whole(folder, out, cfg, dtype=None):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_layerwise_fusion_equals_whole_model_bit_for_bit(tmp_path, arch):
-    src = _folder(tmp_path, arch)
+    src = saved_checkpoint(tmp_path, arch)
     cfg = FusionConfig(width=16, layers="all", n_init=1)
     whole = _whole(src, tmp_path / "whole", cfg)
     lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False)
@@ -67,7 +56,7 @@ def test_layerwise_fusion_equals_whole_model_bit_for_bit(tmp_path, arch):
 
 @pytest.mark.parametrize("method", ["cluster", "svd", "sketch", "mmd", "neuron", "random"])
 def test_every_data_free_baseline_layer_by_layer_equals_whole_model(tmp_path, method):
-    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     cfg = FusionConfig(width=12, method=method, n_init=1, mmd_steps=10)  # default layers: the last two thirds
     whole = _whole(src, tmp_path / "whole", cfg)
     lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False)
@@ -77,7 +66,7 @@ def test_every_data_free_baseline_layer_by_layer_equals_whole_model(tmp_path, me
 
 
 def test_layerwise_fusion_reads_bfloat16_shards(tmp_path):
-    src = _folder(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=4)
+    src = saved_checkpoint(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=4)
     assert (src / "model.safetensors.index.json").is_file()
     cfg = FusionConfig(width=16, layers="1-2", n_init=1)
     _whole(src, tmp_path / "whole", cfg, dtype=torch.bfloat16)
@@ -87,7 +76,7 @@ def test_layerwise_fusion_reads_bfloat16_shards(tmp_path):
 
 
 def test_layerwise_fusion_refuses_what_it_cannot_do_before_writing(tmp_path):
-    src = _folder(tmp_path, "llama")
+    src = saved_checkpoint(tmp_path, "llama")
     with pytest.raises(MLPSurgeryError, match="prune --layerwise"):
         fuse_layerwise(src, tmp_path / "o1", FusionConfig(method="magnitude", width=8), progress=False)
     with pytest.raises(MLPSurgeryError, match="tune data"):
@@ -124,7 +113,7 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     from mlpsurgery.cli import main
     from mlpsurgery.tiny import byte_tokenizer
 
-    src = _folder(tmp_path, "llama", num_hidden_layers=3)
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     byte_tokenizer().save_pretrained(src)
     common = ["fuse", str(src), "--width", "12", "--layers", "all", "--n-init", "1", "--quiet", "--json"]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
@@ -133,7 +122,7 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     lw = json.loads(capsys.readouterr().out)
     assert lw["layerwise"] and lw["sites"] == whole["sites"]
     assert (lw["mlp_params_before"], lw["mlp_params_after"]) == (whole["mlp_params_before"], whole["mlp_params_after"])
-    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "lw")
+    a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "lw" / "tokenizer_config.json").is_file()
     # refused, exit 2, nothing written: tune data, the magnitude baseline, a model without files
@@ -152,7 +141,7 @@ def test_layerwise_nesting_equals_whole_model_bit_for_bit(tmp_path, arch):
     from mlpsurgery.methods.nsn import NSNConfig, nest
     from mlpsurgery.methods.nsn.layerwise import nest_layerwise
 
-    src = _folder(tmp_path, arch)
+    src = saved_checkpoint(tmp_path, arch)
     cfg = NSNConfig(max_rank=8, modules="mlp+attn", layers="all")
     loaded = load_model(src)
     nest(loaded.model, cfg)
@@ -166,7 +155,7 @@ def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     from mlpsurgery.cli import main
     from mlpsurgery.tiny import byte_tokenizer
 
-    src = _folder(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=3)
+    src = saved_checkpoint(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=3)
     byte_tokenizer().save_pretrained(src)
     common = ["nest", str(src), "--max-rank", "6", "--layers", "1-2", "--dtype", "auto", "--quiet", "--json"]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
