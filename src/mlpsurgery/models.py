@@ -231,9 +231,15 @@ def _resolve(text: str) -> tuple[Path, str]:
     return path, str(path)
 
 
-def checkpoint_folder(spec: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """The stock transformers folder MODEL names and a readable source, for the layer-sequential mode, which reads
-    the weight files itself; a tiny model (no files) or a folder mlpsurgery wrote (a structure to replay) is refused."""
+def source_name(text: str) -> str:
+    """The name a manifest records for MODEL: the bundled model's, or its folder's / file's own (never a path)."""
+    return text if text in ("smollm2", "minilm") else Path(text).name
+
+
+def checkpoint_folder(spec: str | os.PathLike | None = None) -> tuple[Path, str, str]:
+    """The stock transformers folder MODEL names, a readable source and the name `load_model` records for it, for
+    the layer-sequential mode, which reads the weight files itself; a tiny model (no files) or a folder mlpsurgery
+    wrote (a structure to replay) is refused."""
     text = DEFAULT_MODEL if spec is None else str(spec)
     if text.startswith("tiny:"):
         raise MLPSurgeryError(f"{text} has no weight files to read layer by layer; save it first "
@@ -242,7 +248,7 @@ def checkpoint_folder(spec: str | os.PathLike | None = None) -> tuple[Path, str]
     if (folder / "surgery.json").exists():
         raise MLPSurgeryError(f"{folder} was written by mlpsurgery (its structure is replayed on load, which the "
                               "layer-sequential mode does not do); drop --layerwise, or run on the original model")
-    return folder, source
+    return folder, source, source_name(text)
 
 
 def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_labels: int | None = None,
@@ -298,8 +304,7 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
         if type(e).__module__.split(".")[0] != "safetensors":
             raise
         raise MLPSurgeryError(f"{folder}: a weights file is damaged ({_first_line(e)}); restore it") from None
-    name = text if text in ("smollm2", "minilm") else Path(text).name
-    model._mlpsurgery_source = source_record(name, model)
+    model._mlpsurgery_source = source_record(source_name(text), model)
     if text not in ("smollm2", "minilm"):
         model._mlpsurgery_path = str(Path(text).expanduser())
     return Loaded(model.eval(), _tokenizer(folder), source)

@@ -69,10 +69,9 @@ def _fuse_layerwise(args, cfg, t0: float) -> dict:
     if args.task != "auto" or args.checkpoint_dir:
         raise MLPSurgeryError("--layerwise compresses the checkpoint's own class without tuning: drop --task and "
                               "--checkpoint-dir, or drop --layerwise")
-    folder, source = checkpoint_folder(args.model)
-    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
+    folder, source, name = checkpoint_folder(args.model)
     report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
-                            overwrite=args.overwrite, inputs=[args.model], source_name=name or "smollm2",
+                            overwrite=args.overwrite, inputs=[args.model], source_name=name,
                             progress=progress(args))
     report.update(model=source, out=args.out, seconds=time.perf_counter() - t0)
     report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))

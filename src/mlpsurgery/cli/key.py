@@ -72,8 +72,6 @@ def run_lock(args) -> dict:
 
 def _lock_layerwise(args, cfg) -> dict:
     """`lock key --layerwise`: the checkpoint read one layer at a time (methods/corelocker/layerwise.py)."""
-    from pathlib import Path
-
     from ..methods.corelocker import check_lock_targets, passphrase_from_user
     from ..methods.corelocker.layerwise import check_layerwise, lock_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
@@ -85,12 +83,11 @@ def _lock_layerwise(args, cfg) -> dict:
         raise MLPSurgeryError("--layerwise locks the checkpoint's own class (--task auto): drop --task or --layerwise")
     check_layerwise(cfg)
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
-    folder, source = checkpoint_folder(args.model)
+    folder, source, name = checkpoint_folder(args.model)
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
-    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
     res = lock_layerwise(folder, args.out, args.key, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
                          passphrase=passphrase, overwrite=args.overwrite, inputs=[args.model],
-                         source_name=name or "smollm2", progress=progress(args))
+                         source_name=name, progress=progress(args))
     res["model"] = source
     return res
 

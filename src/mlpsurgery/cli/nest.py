@@ -114,11 +114,10 @@ def _nest_layerwise(args, cfg) -> dict:
                               "the folder it writes afterwards, or drop --layerwise")
     model = args.words[0] if args.words else None
     check_out(args.out, args.overwrite, inputs=[model])
-    folder, source = checkpoint_folder(model)
-    name = model if model in (None, "smollm2", "minilm") else Path(model).name
+    folder, source, name = checkpoint_folder(model)
     stage(args, f"nesting {source} layer by layer into {args.out}")
     out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
-                         overwrite=args.overwrite, inputs=[model], source_name=name or "smollm2",
+                         overwrite=args.overwrite, inputs=[model], source_name=name,
                          progress=progress(args))
     return {"action": "train", "model": source, **out}
 

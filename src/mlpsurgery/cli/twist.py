@@ -203,7 +203,7 @@ def _prune_layerwise(args, pattern) -> dict:
     if args.method not in METHODS:
         raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS)}, not {args.method} (it removes whole "
                               "blocks, changing shapes): drop --layerwise")
-    folder, source = checkpoint_folder(args.model)
+    folder, source, name = checkpoint_folder(args.model)
     layers = parse_layers(args.layers, read_config(folder).num_hidden_layers) if args.layers else None
     tokenizer = _tokenizer(folder)
     blocks = None
@@ -213,11 +213,10 @@ def _prune_layerwise(args, pattern) -> dict:
         stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
         corpus = load_corpus(args.data, tokenizer)
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
-    name = args.model if args.model in (None, "smollm2", "minilm") else Path(args.model).name
     report = prune_layerwise(folder, args.out, args.method, args.sparsity, parts=args.parts, layers=layers,
                              data=blocks, pattern=pattern, dtype=working_dtype(), max_memory_gb=args.max_memory,
                              tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data],
-                             source_name=name or "smollm2", progress=progress(args))
+                             source_name=name, progress=progress(args))
     res = {**report, "out": args.out, "model": source, "layers": layers or list(range(len(report["per_layer"]))),
            "calibration": None if blocks is None else list(blocks.shape)}
     res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
