@@ -102,18 +102,21 @@ def test_auto_and_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("arch", __import__("mlpsurgery.tiny", fromlist=["ARCHITECTURES"]).ARCHITECTURES)
-@pytest.mark.parametrize("stored,wanted", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
-def test_a_checkpoint_cast_on_loading_equals_transformers_load(tmp_path, arch, stored, wanted):
-    # another dtype than the file's is read tensor by tensor and cast (models._load_cast), not through a memory map
-    # of the whole file; the model must be the one transformers' from_pretrained gives, bit for bit
-    from mlpsurgery.models import _load_cast, _model_class, read_config
+@pytest.mark.parametrize("stored,wanted", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, "auto")])
+def test_a_checkpoint_read_on_loading_equals_transformers_load(tmp_path, arch, stored, wanted):
+    # a checkpoint is read tensor by tensor with plain reads (models._load_read), cast where the file holds another
+    # dtype, not through a memory map of the whole file; the model must be the one from_pretrained gives, bit for bit
+    from mlpsurgery.models import _config_dtype, _load_read, _model_class, read_config
 
     folder = tmp_path / "ckpt"
     tiny_model(arch).to(stored).save_pretrained(folder)
     klass = _model_class(read_config(folder), "auto")
-    assert _load_cast(folder, klass, "auto", stored) is None  # the file's own dtype: transformers maps it
     ours = load_model(folder, dtype=wanted).model
-    assert _load_cast(folder, klass, "auto", wanted) is not None
+    if wanted == "auto":  # the dtype the config names, as transformers' "auto" takes it
+        assert _config_dtype(read_config(folder)) == stored
+    assert _load_read(folder, klass, "auto", stored if wanted == "auto" else wanted) is not None  # the path taken
     ref = klass.from_pretrained(folder, local_files_only=True, dtype=wanted).eval()
     assert type(ours) is type(ref) and not ours.training
     a, b = ours.state_dict(), ref.state_dict()
@@ -126,6 +129,8 @@ def test_a_checkpoint_cast_on_loading_equals_transformers_load(tmp_path, arch, s
     for (n, x), (_, y) in zip(ours.named_buffers(), ref.named_buffers()):
         assert torch.equal(x, y), n
     assert ours.config.to_dict() == ref.config.to_dict()
+    gen_a, gen_b = getattr(ours, "generation_config", None), getattr(ref, "generation_config", None)
+    assert (gen_a is None) == (gen_b is None) and (gen_a is None or gen_a.to_dict() == gen_b.to_dict())
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out_a, out_b = ours(input_ids=ids), ref(input_ids=ids)
@@ -138,9 +143,9 @@ def test_a_class_keeping_modules_in_float32_is_left_to_transformers(tmp_path, mo
     # them, so it declines (also when the class comes through an Auto class, which names none)
     import transformers
 
-    from mlpsurgery.models import _load_cast
+    from mlpsurgery.models import _load_read
 
     tiny_model("llama").save_pretrained(tmp_path / "ckpt")
-    assert _load_cast(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is not None
+    assert _load_read(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is not None
     monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules", ["down_proj"], raising=False)
-    assert _load_cast(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is None
+    assert _load_read(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is None

@@ -125,21 +125,22 @@ def test_smollm2_layerwise_fusion_and_export_equal_the_whole_model_ones(smollm2,
     assert all(torch.equal(got[k], ref[k]) for k in got) and len(left) == 1 and left <= tied
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["smollm2", "minilm"])
-def test_real_checkpoint_loaded_in_bfloat16_equals_transformers_load(name, request):
-    # both are float32 files: --dtype bfloat16 reads them tensor by tensor and casts (models._load_cast) rather than
-    # through transformers' memory map of the whole file; the model must be transformers' own, bit for bit
-    from mlpsurgery.models import _load_cast, _model_class, _resolve, load_model, read_config
+def test_real_checkpoint_read_on_loading_equals_transformers_load(name, dtype, request):
+    # both are float32 files: they are read tensor by tensor (models._load_read; cast to bfloat16 where asked)
+    # rather than through transformers' memory map of the whole file; the model must be transformers' own, bit for bit
+    from mlpsurgery.models import _load_read, _model_class, _resolve, load_model, read_config
 
     request.getfixturevalue(name)  # skips when the model is not installed
     folder, _ = _resolve(name)
     klass = _model_class(read_config(folder), "auto")
-    ours = load_model(name, dtype=torch.bfloat16).model
+    ours = load_model(name, dtype=dtype).model
     if (folder / "model.safetensors").is_file():
-        assert _load_cast(folder, klass, "auto", torch.bfloat16) is not None  # the path taken
-    ref = klass.from_pretrained(folder, local_files_only=True, dtype=torch.bfloat16)
+        assert _load_read(folder, klass, "auto", dtype) is not None  # the path taken
+    ref = klass.from_pretrained(folder, local_files_only=True, dtype=dtype)
     a, b = ours.state_dict(), ref.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == torch.bfloat16 for n in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) and a[n].dtype == dtype for n in a)
     assert ours.config.to_dict() == ref.config.to_dict()
 
 

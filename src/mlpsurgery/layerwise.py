@@ -132,9 +132,7 @@ class LazyCheckpoint:
 
 
 # --------------------------------------------------------------------------------------------------
-# Writing: one safetensors file whose header is known before its tensors are
-
-
+# Writing: safetensors files filled tensor by tensor (the header fixed first, or written last)
 
 
 def shared_names(state: dict[str, Tensor]) -> dict[str, str]:

@@ -292,7 +292,8 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     config = read_config(folder)
     klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}
-    model = None if num_labels else _load_cast(folder, klass, task, dtype or torch.float32)
+    model = None if num_labels else _load_read(folder, klass, task, _config_dtype(config) if dtype == "auto"
+                                               else dtype or torch.float32)
     try:
         if model is None:
             model = klass.from_pretrained(folder, local_files_only=True, dtype=dtype or torch.float32, **kw)
@@ -310,22 +311,32 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     return Loaded(model.eval(), _tokenizer(folder), source)
 
 
-def _load_cast(folder: Path, klass, task: str, dtype) -> nn.Module | None:
-    """A safetensors checkpoint stored in another floating dtype than `dtype` (SmolLM2's float32 file loaded in
-    bfloat16), read tensor by tensor with plain reads and cast as it goes (layerwise.LayerStream, every layer
-    materialised), or None: then transformers loads it. transformers maps the file, and every page of it that was
-    read stays in the resident set until loading ends: at the peak the whole float32 file beside the bfloat16
-    weights (1.20 GiB for SmolLM2 against 0.45 GiB of interpreter and 0.27 GiB of weights). The result equals
-    from_pretrained's bit for bit (tests/test_dtype.py on every tiny architecture); what this path does not do
-    (classes that keep modules in float32, conversions beyond renaming, missing tensors) is left to transformers."""
+def _config_dtype(config) -> torch.dtype | str:
+    """What transformers' dtype="auto" loads a checkpoint in when its config names a floating dtype, else "auto"
+    (transformers then looks at the weights itself)."""
+    d = getattr(config, "dtype", None)
+    d = getattr(torch, d, None) if isinstance(d, str) else d
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else "auto"
+
+
+def _load_read(folder: Path, klass, task: str, dtype) -> nn.Module | None:
+    """A safetensors checkpoint read tensor by tensor with plain reads, cast to `dtype` as it goes where the file
+    holds another one (layerwise.LayerStream, every layer materialised), or None: then transformers loads it.
+    transformers maps the file, and every page of it that was read stays in the resident set while any tensor of
+    that file lives: a float32 file loaded in bfloat16 peaked at the whole file beside the bfloat16 weights (1.20
+    GiB for SmolLM2 against 0.45 GiB of interpreter and 0.27 GiB of weights), and a file already in `dtype` stays
+    mapped whole through a surgery that replaces its MLPs (the replaced tensors' pages stay resident beside the new
+    ones) or writes into its weights (each written page becomes a private copy beside the file's). Read this way,
+    a replaced tensor's memory is freed with it. The result equals from_pretrained's bit for bit
+    (tests/test_dtype.py on every tiny architecture, same and other dtype); what this path does not do (classes
+    that keep modules in float32, conversions beyond renaming, missing tensors) is left to transformers."""
     if not isinstance(dtype, torch.dtype):
         return None
     from .layerwise import LazyCheckpoint, LayerStream
 
     try:
-        stored = {d for d in LazyCheckpoint(folder).dtypes if d.is_floating_point}
-        if not stored or stored == {dtype}:
-            return None  # transformers maps the file and keeps its tensors without a copy
+        if not any(d.is_floating_point for d in LazyCheckpoint(folder).dtypes):
+            return None
         stream = LayerStream(folder, dtype=dtype, task=task)
         if any(getattr(stream.model, k, None) for k in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
             return None  # (the concrete class: an Auto class names none)

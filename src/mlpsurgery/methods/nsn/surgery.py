@@ -106,6 +106,7 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False)
                               "with set_rank / `mlpsurgery nest rank` instead")
     for slot in tqdm(slots, desc="SVD", unit="projection", disable=not progress):
         nest_slot(slot, cfg)
+        slot.module = None  # the replaced projection is freed now, not when the last one is done
     record(model, "nsn", asdict(cfg), projections=len(slots))
     return model
 
