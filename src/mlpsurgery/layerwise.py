@@ -286,15 +286,20 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         pass
 
 
+def config_dtype(config) -> torch.dtype | None:
+    """The floating dtype config.json names (what transformers' dtype="auto" takes), or None."""
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
 def resolve_dtype(config, dtype) -> torch.dtype:
     """The working dtype: a torch dtype as given, 'auto' -> the checkpoint's (config.json), None -> float32."""
     if dtype is None:
         return torch.float32
     if dtype == "auto":
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(found, str):
-            found = getattr(torch, found, None)
-        return found if isinstance(found, torch.dtype) else torch.float32
+        return config_dtype(config) or torch.float32
     return dtype
 
 

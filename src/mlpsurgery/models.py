@@ -314,9 +314,9 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
 def _config_dtype(config) -> torch.dtype | str:
     """What transformers' dtype="auto" loads a checkpoint in when its config names a floating dtype, else "auto"
     (transformers then looks at the weights itself)."""
-    d = getattr(config, "dtype", None)
-    d = getattr(torch, d, None) if isinstance(d, str) else d
-    return d if isinstance(d, torch.dtype) and d.is_floating_point else "auto"
+    from .layerwise import config_dtype
+
+    return config_dtype(config) or "auto"
 
 
 def _load_read(folder: Path, klass, task: str, dtype) -> nn.Module | None:
