@@ -14,6 +14,9 @@ and evaluations):
   docs/results/dlr-smollm2-run4.json, after the on-policy steps and after phase 2
 - run 5, run 4's command again (the lock the adaptation-cost table is measured on): docs/results/dlr-smollm2.json;
   its phase 1 shared the CPU with another job for about 20 minutes, so its seconds read high
+- run 5's capture, phase 1 and on-policy nets (its work folder, hard-linked without the phase-2 files) with longer
+  phase 2s: 240 steps over the same 256 teacher-labelled blocks (docs/results/dlr-smollm2-phase2-240.json), 480
+  steps over 512 blocks (dlr-smollm2-phase2-480.json); their earlier stages' seconds are run 5's
 
 The best lock at each time (the lower envelope) is fitted as ratio - 1 = c * t^-b in log-log, per corpus, and
 extrapolated to ratio 1.10 (Persuasion) / 1.25 (R8): a rough reading of the budget the present recipe would need
@@ -55,6 +58,10 @@ def points() -> list[dict]:
     add("run 4: + phase 2 (60 steps)", "dlr-smollm2-run4.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
     add("run 5 (run 4 repeated): + 230 on-policy", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
     add("run 5: + phase 2", "dlr-smollm2.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
+    add("run 5's nets + phase 2 (240 steps)", "dlr-smollm2-phase2-240.json", "phase2",
+        ("start", "phase1", "onpolicy", "phase2"))
+    add("run 5's nets + phase 2 (480 steps, 512 blocks)", "dlr-smollm2-phase2-480.json", "phase2",
+        ("start", "phase1", "onpolicy", "phase2"))
     return sorted(out, key=lambda p: p["seconds"])
 
 

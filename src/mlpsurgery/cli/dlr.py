@@ -241,7 +241,8 @@ def register(sub, groups) -> None:
                                   f"r8-train) or a mix A+B (default {DEFAULT_DATA}: the novels with Persuasion held out "
                                   "plus the Reuters training articles, so the lock serves more than one domain)")
     p.add_argument("--block-len", type=integer(2), default=256)
-    p.add_argument("--calib-blocks", type=integer(2), default=256, help="blocks captured for phase 1 (256)")
+    p.add_argument("--calib-blocks", type=integer(2), default=DLRConfig.calib_blocks,
+                   help=f"blocks captured for phase 1 ({DLRConfig.calib_blocks})")
     p.add_argument("--phase1-steps", type=integer(0), default=DLRConfig.phase1_steps)
     p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr)
     p.add_argument("--phase1-start", default=DLRConfig.phase1_start, choices=list(PHASE1_STARTS),
@@ -268,7 +269,8 @@ def register(sub, groups) -> None:
     p.add_argument("--phase2-steps", type=integer(0), default=DLRConfig.phase2_steps)
     p.add_argument("--phase2-lr", type=number(0), default=DLRConfig.phase2_lr)
     p.add_argument("--phase2-batch", type=integer(1), default=DLRConfig.phase2_batch)
-    p.add_argument("--phase2-blocks", type=integer(1), default=256, help="teacher-labelled blocks for phase 2 (256)")
+    p.add_argument("--phase2-blocks", type=integer(1), default=DLRConfig.phase2_blocks,
+                   help=f"teacher-labelled blocks for phase 2 ({DLRConfig.phase2_blocks})")
     p.add_argument("--top-k", type=integer(1), default=32)
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
     p.add_argument("--memory-gb", type=number(0), default=8.0,
