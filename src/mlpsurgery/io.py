@@ -36,7 +36,7 @@ from torch import nn
 from . import __version__, files
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError
 from .modules import MODULES, build, module_config
-from .modules.masks import masked_parameters, masks_set_aside, restore_masks
+from .modules.masks import load_mask, masked_parameters, masks_set_aside, restore_masks, unpack
 
 FORMAT = "mlpsurgery"
 FORMAT_VERSION = 2  # 2: every model-defining file checksummed, the manifest digests itself
@@ -163,13 +163,16 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     folder where any of them changed. A structure that is not stock also gets generated modeling code, so that
     transformers alone loads the folder with trust_remote_code=True (standalone.py).
     """
-    from safetensors.torch import save_file
+    from .layerwise import SafetensorsWriter
 
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra, inputs=inputs) as tmp:
         with masks_set_aside(model) as masks:
             st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if masks:
-            save_file({n: m.contiguous() for n, m in masks.items()}, str(tmp / MASKS))
+        if masks:  # bit-packed in memory, one boolean tensor each in the file: unpacked one at a time
+            writer = SafetensorsWriter(tmp / MASKS, {n: (torch.bool, tuple(shape)) for n, (_, shape) in masks.items()})
+            for n, (packed, shape) in masks.items():
+                writer.write(n, unpack(packed, shape))
+            writer.close()
     return Path(out)
 
 
@@ -373,22 +376,30 @@ def read_config(folder: Path):
 def _load_masks(model: nn.Module, folder: Path, names: list[str]) -> None:
     if not names:
         return
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     try:
         restore_masks(model, names)
-        stored = load_file(str(folder / MASKS)) if (folder / MASKS).is_file() else {}
     except (AttributeError, TypeError):
         raise IntegrityError(f"the manifest's masks name parameters this model does not have: {names[:4]}; it was "
                              "edited") from None
+    damaged = f"{folder / MASKS} is damaged"
+    try:
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(safe_open(str(folder / MASKS), framework="pt")) if (folder / MASKS).is_file() else None
+            stored = set(f.keys()) if f is not None else set()
+            for name in names:  # one mask in memory at a time, bit-packed as it is put in
+                lacks = f"{folder / MASKS} lacks the mask of {name} (or it has another shape); restore it"
+                if name not in stored:
+                    raise IntegrityError(lacks)
+                try:
+                    load_mask(model, name, f.get_tensor(name))
+                except ValueError:
+                    raise IntegrityError(lacks) from None
+    except IntegrityError:
+        raise
     except Exception as e:  # noqa: BLE001 - safetensors' own errors for a damaged file
-        raise IntegrityError(f"{folder / MASKS} is damaged ({type(e).__name__}); restore it") from None
-    for name in names:
-        owner, _, attr = name.rpartition(".")
-        buf = (model.get_submodule(owner) if owner else model)._buffers[attr + "_mask"]
-        if name not in stored or stored[name].shape != buf.shape:
-            raise IntegrityError(f"{folder / MASKS} lacks the mask of {name} (or it has another shape); restore it")
-        buf.copy_(stored[name])
+        raise IntegrityError(f"{damaged} ({type(e).__name__}); restore it") from None
 
 
 def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]:

@@ -160,7 +160,7 @@ class SafetensorsWriter:
             if dtype not in _DTYPES:
                 raise MLPSurgeryError(f"{name}: dtype {dtype} cannot be stored in safetensors here")
         order = sorted(layout, key=lambda n: (-layout[n][0].itemsize, n))
-        header: dict = {"__metadata__": dict(metadata or {})}
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}  # as safetensors' save_file writes it
         self.slots: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
         pos = 0
         for name in order:

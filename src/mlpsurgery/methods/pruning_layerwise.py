@@ -21,7 +21,7 @@ from ..errors import MLPSurgeryError
 from ..files import Fingerprint
 from ..io import MASKS, WEIGHTS, record, streamed_save
 from ..layerwise import LayerStream, SafetensorsWriter
-from ..modules.masks import SUFFIX, install_mask
+from ..modules.masks import SUFFIX, install_mask, mask_of
 from ..sites import find_sites, linear_weight
 from .pruning import (PARTS, _layer_counts, _layer_linears, _pattern_text, _sparsity_of, check_pattern, input_major,
                       magnitude_matrix_, moment_hooks, parse_pattern, pattern_sparsity, prunable_weights,
@@ -115,7 +115,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
                 acts = stream.run(i, acts)
             for name, t in stream.layer_state(i).items():
                 if name.endswith(SUFFIX) and name[:-len(SUFFIX)] in masked:
-                    masks.write(name[:-len(SUFFIX)], t)
+                    masks.write(name[:-len(SUFFIX)], mask_of(model, name[:-len(SUFFIX)]))
                 else:
                     writer.write(name, t)
             stream.release(i)

@@ -2,11 +2,18 @@
 
 Unstructured pruning (magnitude, Wanda, SparseGPT, fusion's magnitude baseline) zeroes weights in place. So
 that every later training run, attack or NTK measurement keeps them at zero, each pruned parameter `P` of a
-module gets a boolean buffer `P_mask` beside it (True = kept), and P's gradient is multiplied by it: a
+module gets a buffer `P_mask` beside it, and P's gradient is multiplied by that mask (True = kept): a
 masked entry never receives an update (Adam's moments stay zero, weight decay of zero is zero), for any
 optimizer and for `torch.autograd.grad` alike. `io.save` lists the masked parameters in the manifest and
-stores the masks in their own file (masks.safetensors), so model.safetensors holds exactly the stock tensors;
-`io.load` puts them back; `io.export` leaves them out (the zeros are in the weights).
+stores the masks in their own file (masks.safetensors, one boolean tensor of P's shape each), so
+model.safetensors holds exactly the stock tensors; `io.load` puts them back; `io.export` leaves them out (the
+zeros are in the weights).
+
+In memory a mask is bit-packed: `P_mask` is a flat uint8 tensor of ceil(numel / 8) bytes, bit j of byte i
+(least significant first) the entry 8 i + j of P in row-major order (`pack` / `unpack`; `mask_of` gives the
+boolean mask). One byte per entry would be half a bfloat16 model's weights beside it while it is pruned and
+saved; bits are a sixteenth. The gradient hook unpacks the mask for the step (one byte per entry, freed
+after it).
 
 The gradient hook is put on the parameter by a forward pre-hook of its module, at the first forward that
 can build a graph: tensor hooks do not survive `copy.deepcopy`, module hooks do (a copied model is masked too).
@@ -24,8 +31,40 @@ SUFFIX = "_mask"
 _HOOKED = "_mlpsurgery_mask_hooked"
 
 
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack(keep: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor of any shape as bits: flat uint8, ceil(numel / 8) bytes, least significant bit first."""
+    flat = keep.reshape(-1).to(torch.bool).to(torch.uint8)  # a copy: a 0/1 byte per entry
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    bits = torch.tensor(_BITS, dtype=torch.uint8, device=flat.device)
+    return flat.view(-1, 8).mul_(bits).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, shape) -> torch.Tensor:
+    """The boolean tensor of `shape` that `pack` made `packed` from."""
+    shape = torch.Size(shape)
+    n = shape.numel()
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != (n + 7) // 8:
+        raise ValueError(f"a packed mask of {tuple(shape)} is {(n + 7) // 8} uint8 bytes, "
+                         f"not {packed.dtype} {tuple(packed.shape)}")
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1)
+    return bits.view(-1)[:n].view(torch.bool).view(shape)
+
+
+def mask_of(model: nn.Module, name: str) -> torch.Tensor:
+    """The boolean keep-mask of masked parameter `name` of `model` (True = kept)."""
+    mod, attr = _split(model, name)
+    return unpack(mod._buffers[attr + SUFFIX], getattr(mod, attr).shape)
+
+
 def _mask_grad(mod: nn.Module, buffer: str, grad: torch.Tensor) -> torch.Tensor:
-    return grad * mod._buffers[buffer].to(device=grad.device, dtype=grad.dtype)
+    keep = unpack(mod._buffers[buffer].to(grad.device), grad.shape)
+    return grad * keep.to(dtype=grad.dtype)
 
 
 def _ensure_grad_hooks(mod: nn.Module, args) -> None:
@@ -58,13 +97,14 @@ def install_mask(model: nn.Module, name: str, keep: torch.Tensor | None = None) 
         raise ValueError(f"mask shape {tuple(keep.shape)} does not match {name} {tuple(p.shape)}")
     buffer = attr + SUFFIX
     if buffer in mod._buffers:
-        keep = keep & mod._buffers[buffer]
-        mod._buffers[buffer] = keep
-    else:
-        mod.register_buffer(buffer, keep)
-    _watch(mod)
+        keep = keep & unpack(mod._buffers[buffer], p.shape)
     with torch.no_grad():
         p.mul_(keep.to(p.dtype))
+    if buffer in mod._buffers:
+        mod._buffers[buffer] = pack(keep)
+    else:
+        mod.register_buffer(buffer, pack(keep))
+    _watch(mod)
 
 
 def masked_parameters(model: nn.Module) -> list[str]:
@@ -84,21 +124,33 @@ def restore_masks(model: nn.Module, names: list[str]) -> None:
         p = getattr(mod, attr)
         if not isinstance(p, torch.Tensor):
             raise AttributeError(name)
-        mod.register_buffer(attr + SUFFIX, torch.ones(p.shape, dtype=torch.bool, device=p.device))
+        mod.register_buffer(attr + SUFFIX, torch.full(((p.numel() + 7) // 8,), 255, dtype=torch.uint8,
+                                                      device=p.device))
         _watch(mod)
+
+
+def load_mask(model: nn.Module, name: str, keep: torch.Tensor) -> None:
+    """Fill the mask buffer of `name` (made by `restore_masks`) from a boolean mask of the parameter's shape."""
+    mod, attr = _split(model, name)
+    p = getattr(mod, attr)
+    if keep.shape != p.shape:
+        raise ValueError(f"mask shape {tuple(keep.shape)} does not match {name} {tuple(p.shape)}")
+    mod._buffers[attr + SUFFIX] = pack(keep.to(device=p.device, dtype=torch.bool))
 
 
 @contextlib.contextmanager
 def masks_set_aside(model: nn.Module):
     """Within the block the model holds no mask buffers (so its state dict is the stock one); yields
-    {parameter name: mask}. The buffers are put back afterwards."""
+    {parameter name: (packed mask, parameter shape)} (`unpack` gives each boolean mask). The buffers are put
+    back afterwards."""
     taken = {}
     for name in masked_parameters(model):
         mod, attr = _split(model, name)
-        taken[name] = (mod, attr + SUFFIX, mod._buffers.pop(attr + SUFFIX))
+        shape = getattr(mod, attr).shape
+        taken[name] = (mod, attr + SUFFIX, mod._buffers.pop(attr + SUFFIX), shape)
     try:
-        yield {name: buf for name, (_, _, buf) in taken.items()}
+        yield {name: (buf, shape) for name, (_, _, buf, shape) in taken.items()}
     finally:
-        for mod, buffer, buf in taken.values():
+        for mod, buffer, buf, _ in taken.values():
             mod._buffers[buffer] = buf
 
