@@ -199,10 +199,13 @@ def test_streaming_global_ranking_is_the_exact_top_k_with_ties_in_group_then_pos
         gid, uid = rk.global_top(groups, k)
         assert torch.equal(gid, gid_all[perm[:k]]) and torch.equal(uid, uid_all[perm[:k]]), (case, k)
         # unordered (a lock at one ratio): the same units, in (group, position) order
-        gu, uu = rk.global_top(groups, k, ordered=False)
+        counts, uu = rk.global_top(groups, k, ordered=False)
         chosen = perm[:k].sort().values
-        assert torch.equal(gu.long(), gid_all[chosen]) and torch.equal(uu.long(), uid_all[chosen]), (case, k)
+        gu = torch.repeat_interleave(torch.arange(len(groups)), counts)
+        assert torch.equal(gu, gid_all[chosen]) and torch.equal(uu.long(), uid_all[chosen]), (case, k)
     assert all(len(t) == 0 for t in rk.global_top(groups, 0))
+    counts, uu = rk.global_top(groups, 0, ordered=False)
+    assert counts.tolist() == [0] * len(groups) and len(uu) == 0
     vals[-1][0] = float("nan")
     with pytest.raises(MLPSurgeryError, match="NaN"):
         rk.global_top(groups, 5)

@@ -489,3 +489,42 @@ def test_mutated_sealed_keys_restore_exactly_or_are_refused_in_one_line(made, mu
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLPSURGERY_PASSPHRASE", PASSPHRASE)
         unlock_mutated(root, original, "locked_s", "sealed.key", mutation, root / "work_sealed")
+
+
+def test_a_key_is_written_streamed_and_equals_the_key_in_one_piece(tmp_path, monkeypatch):
+    """The key file is written as it is made, chunk by chunk, never whole in memory: plain, it is byte for byte
+    safetensors' `save` of the key's tensors (what keys were before the streaming); sealed, its ciphertext is
+    AES-GCM's one-shot encryption of that plain key under the same salt and nonce (tag included)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from mlpsurgery.methods.corelocker.keyfile import key_file_chunks, write_key_file
+    from mlpsurgery.methods.corelocker.sealing import _scrypt_key, sealed_header
+    from mlpsurgery.tensorfiles import serialized
+
+    monkeypatch.setattr(sealing, "SCRYPT", FAST_KDF)
+    model = tiny_model("llama")
+    key = lock_key(model, CoreLockerConfig(ratio=0.05))
+    plain = key_bytes(key, numels(model))
+    size, chunks = key_file_chunks(key, numels(model))
+    chunks = [bytes(c) for c in chunks]
+    assert b"".join(chunks) == plain and size == len(plain)
+    # the header, then one tensor at a time
+    assert len(chunks) == 1 + 2 * len(key.positions) and len(chunks[0]) == 8 + int.from_bytes(plain[:8], "little")
+    assert write_key_file(tmp_path / "plain.key", key, numels(model)) == len(plain)
+    assert (tmp_path / "plain.key").read_bytes() == plain
+    assert stat.S_IMODE((tmp_path / "plain.key").stat().st_mode) == 0o600
+
+    size = write_key_file(tmp_path / "sealed.key", key, numels(model), PASSPHRASE)
+    blob = (tmp_path / "sealed.key").read_bytes()
+    assert size == len(blob) and stat.S_IMODE((tmp_path / "sealed.key").stat().st_mode) == 0o600
+    from safetensors.torch import load
+
+    n = int.from_bytes(blob[:8], "little")
+    text = json.loads(blob[8:8 + n])["__metadata__"]["sealed"]
+    params, salt, nonce = sealed_header(text)
+    ct = load(blob)["ciphertext"].numpy().tobytes()
+    assert ct == AESGCM(_scrypt_key(PASSPHRASE, salt, params)).encrypt(nonce, plain, text.encode())
+    assert blob == b"".join(bytes(c) for c in serialized({"ciphertext": torch.frombuffer(bytearray(ct), dtype=torch.uint8)},
+                                                         {"sealed": text})[1])
+    back = read_key(tmp_path / "sealed.key", PASSPHRASE)
+    assert back.check == "authenticated" and key_bytes(back, numels(model)) == plain

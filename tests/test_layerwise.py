@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from conftest import file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load, save
-from mlpsurgery.layerwise import LayerStream, SafetensorsWriter
+from mlpsurgery.layerwise import LayerStream
+from mlpsurgery.tensorfiles import SafetensorsWriter
 from mlpsurgery.methods.pruning import prune
 from mlpsurgery.methods.pruning_layerwise import _moment_bytes, prune_layerwise
 from mlpsurgery.models import load_model

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from conftest import file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load, save
-from mlpsurgery.layerwise import SafetensorsAppender, header_reserve
+from mlpsurgery.tensorfiles import SafetensorsAppender, header_reserve
 from mlpsurgery.methods.fusion import FusionConfig, fuse
 from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
 from mlpsurgery.models import load_model

@@ -291,13 +291,17 @@ def atomic_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | 
 # Files
 
 
-def _atomic_bytes(path: Path, data: bytes, mode: int | None) -> None:
+def _atomic_bytes(path: Path, data, mode: int | None) -> int:
+    """Write `data` (bytes, or an iterable of bytes-like chunks written as they come) to `path` atomically.
+    Returns the bytes written."""
     tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    size = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in ([data] if isinstance(data, (bytes, bytearray, memoryview)) else data):
+                size += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         if mode is not None:
@@ -307,6 +311,7 @@ def _atomic_bytes(path: Path, data: bytes, mode: int | None) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return size
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -314,11 +319,12 @@ def write_text(path: str | Path, text: str) -> None:
     _atomic_bytes(Path(path), text.encode(), None)
 
 
-def write_private(path: str | Path, data: bytes) -> None:
-    """Write a secret (a key) atomically, readable and writable by its owner only (0600)."""
+def write_private(path: str | Path, data) -> int:
+    """Write a secret (a key) atomically, readable and writable by its owner only (0600). `data`: bytes, or an
+    iterable of chunks (a key streamed, never whole in memory). Returns its size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_bytes(path, data, 0o600)
+    return _atomic_bytes(path, data, 0o600)
 
 
 def sha256_file(path: str | Path) -> str:

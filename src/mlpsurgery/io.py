@@ -163,7 +163,7 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
     folder where any of them changed. A structure that is not stock also gets generated modeling code, so that
     transformers alone loads the folder with trust_remote_code=True (standalone.py).
     """
-    from .layerwise import SafetensorsWriter
+    from .tensorfiles import SafetensorsWriter
 
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra, inputs=inputs) as tmp:
         with masks_set_aside(model) as masks:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,223 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from .errors import MLPSurgeryError
+from .tensorfiles import LazyCheckpoint, SafetensorsAppender, header_reserve, shared_names
 
 GiB = 2**30
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# Reading: the checkpoint's tensors by name, from one file or an index of shards
-
-
-class _SafetensorsFile:
-    """One safetensors file read tensor by tensor with plain reads, not a memory map: the pages of a mapped file
-    that were read count in the process's resident set until it is unmapped, so reading every layer of a mapped
-    checkpoint would end with the whole checkpoint resident; read into memory, a layer's bytes go when it does."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > size - 8:
-                    raise ValueError("header longer than the file")
-                header = json.loads(f.read(n))
-            self.base = 8 + n
-            self.entries = {}
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                b, e = info["data_offsets"]
-                dtype = _FROM_NAME[info["dtype"]]
-                if not 0 <= b <= e <= size - self.base or (e - b) != dtype.itemsize * _numel(info["shape"]):
-                    raise ValueError(f"tensor {name} lies outside the file or has the wrong size")
-                self.entries[name] = (b, e, dtype, tuple(info["shape"]))
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-            raise MLPSurgeryError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}); restore it") from None
-
-    def get(self, name: str) -> Tensor:
-        b, e, dtype, shape = self.entries[name]
-        buf = bytearray(e - b)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.base + b)
-            if f.readinto(buf) != len(buf):
-                raise MLPSurgeryError(f"{self.path}: {name} is cut short; restore the file")
-        if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-class LazyCheckpoint:
-    """The tensors of a transformers folder's safetensors file(s), by name, read one at a time."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        single = self.folder / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise MLPSurgeryError(f"{index} cannot be read ({type(e).__name__}); restore the checkpoint") from None
-        elif single.is_file():
-            weight_map, files = None, ["model.safetensors"]
-        else:
-            raise MLPSurgeryError(f"{self.folder} has no model.safetensors (or index of shards): the layer-sequential "
-                                  "mode reads safetensors checkpoints; convert it (save_pretrained) or drop --layerwise")
-        self._files = {name: _SafetensorsFile(self.folder / name) for name in files}
-        if weight_map is None:
-            weight_map = {k: files[0] for k in self._files[files[0]].entries}
-        for k, name in weight_map.items():
-            if k not in self._files[name].entries:
-                raise MLPSurgeryError(f"{index}: {k} is not in {name}; restore the checkpoint")
-        self.where = weight_map
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    @property
-    def dtypes(self) -> set[torch.dtype]:
-        """The dtypes the checkpoint's tensors are stored in."""
-        return {e[2] for f in self._files.values() for e in f.entries.values()}
-
-    def get(self, name: str) -> Tensor:
-        return self._files[self.where[name]].get(name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing: safetensors files filled tensor by tensor (the header fixed first, or written last)
-
-
-def shared_names(state: dict[str, Tensor]) -> dict[str, str]:
-    """{dropped name: kept name} for entries that are the same tensor object (tied weights), keeping the
-    alphabetically first name of each group, as safetensors' save_model does; by identity, so it also works on
-    meta tensors (which have no storage to compare)."""
-    groups: dict[int, list[str]] = {}
-    for name, t in state.items():
-        groups.setdefault(id(t), []).append(name)
-    out = {}
-    for names in groups.values():
-        keep, *rest = sorted(names)
-        out.update({n: keep for n in rest})
-    return out
-
-
-class SafetensorsWriter:
-    """A safetensors file written tensor by tensor in any order: the header (names, dtypes, shapes) is fixed at
-    creation, each `write` puts one tensor's bytes at its offset, `close` refuses a file with a tensor missing.
-    Tensors are laid out as safetensors itself lays them out (larger elements first, then by name)."""
-
-    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
-        for name, (dtype, _) in layout.items():
-            if dtype not in _DTYPES:
-                raise MLPSurgeryError(f"{name}: dtype {dtype} cannot be stored in safetensors here")
-        order = sorted(layout, key=lambda n: (-layout[n][0].itemsize, n))
-        header: dict = {"__metadata__": dict(metadata)} if metadata else {}  # as safetensors' save_file writes it
-        self.slots: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
-        pos = 0
-        for name in order:
-            dtype, shape = layout[name]
-            size = dtype.itemsize * int(torch.Size(shape).numel())
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + size]}
-            self.slots[name] = (pos, size, dtype, tuple(shape))
-            pos += size
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.base = 8 + len(raw)
-        self.path = Path(path)
-        self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
-        self._f.truncate(self.base + pos)
-        self.pending = set(self.slots)
-
-    def write(self, name: str, t: Tensor) -> None:
-        if name not in self.slots:
-            raise MLPSurgeryError(f"internal: {name} is not in the header of {self.path.name}")
-        off, size, dtype, shape = self.slots[name]
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise MLPSurgeryError(f"internal: {name} is {t.dtype} {tuple(t.shape)}, the header says {dtype} {shape}")
-        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._f.seek(self.base + off)
-        self._f.write(memoryview(data))
-        self.pending.discard(name)
-
-    def close(self) -> None:
-        if self._f.closed:
-            return
-        self._f.close()
-        if self.pending:
-            raise MLPSurgeryError(f"internal: {self.path.name} was closed with {len(self.pending)} tensors unwritten "
-                                  f"({sorted(self.pending)[:3]})")
-
-
-class SafetensorsAppender:
-    """A safetensors file whose tensors' shapes are known only as they come (a layer that a method reshapes): each
-    `write` appends one tensor's bytes; the header, which safetensors puts before the data, goes into `reserve`
-    bytes kept free at the start and is written by `close`, padded with spaces (as safetensors pads its own to
-    8 bytes). `header_reserve` sizes the space from the skeleton; a header that outgrows it is refused, never cut."""
-
-    def __init__(self, path: Path, reserve: int):
-        self.path = Path(path)
-        self.base = reserve + (-reserve % 8)
-        self.entries: dict[str, dict] = {}
-        self.pos = 0
-        self._f = open(self.path, "wb")
-        self._f.truncate(self.base)
-
-    def write(self, name: str, t: Tensor) -> None:
-        if name in self.entries:
-            raise MLPSurgeryError(f"internal: {name} written twice into {self.path.name}")
-        if t.dtype not in _DTYPES:
-            raise MLPSurgeryError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
-        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._f.seek(self.base + self.pos)
-        self._f.write(memoryview(data))
-        self.entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [self.pos, self.pos + data.nbytes]}
-        self.pos += data.nbytes
-
-    def abandon(self) -> None:
-        """Close the file without a header (its folder is being discarded)."""
-        self._f.close()
-
-    def close(self, metadata: dict[str, str] | None = None) -> None:
-        if self._f.closed:
-            return
-        raw = json.dumps({"__metadata__": dict(metadata or {}), **self.entries}, separators=(",", ":")).encode()
-        try:
-            if 8 + len(raw) > self.base:
-                raise MLPSurgeryError(f"internal: the header of {self.path.name} ({len(raw)} bytes) outgrew the "
-                                      f"{self.base - 8} reserved for it; please report this model")
-            self._f.seek(0)
-            self._f.write(struct.pack("<Q", self.base - 8) + raw + b" " * (self.base - 8 - len(raw)))
-        finally:
-            self._f.close()
-
-
-def header_reserve(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
-    """Header space for a file of `layout`'s tensors as a method may reshape them: twice the header they need with
-    offsets of 20 digits (replacing each linear by two factors at most doubles the entries), plus 64 KiB."""
-    big = 10**19
-    header = {n: {"dtype": "BF16", "shape": list(s), "data_offsets": [big, big]} for n, (_, s) in layout.items()}
-    return 2 * len(json.dumps(header, separators=(",", ":"))) + 65536
-
-
-# --------------------------------------------------------------------------------------------------
-# The skeleton and its layers
 
 
 class _StopRecording(Exception):
@@ -307,14 +91,15 @@ class LayerStream:
     """A transformers checkpoint held as a skeleton whose decoder (encoder) layers are read one at a time."""
 
     def __init__(self, folder: Path, dtype=None, task: str = "auto", max_memory_gb: float | None = None,
-                 spill_dir: Path | None = None):
+                 spill_dir: Path | None = None, ckpt: LazyCheckpoint | None = None):
+        """ckpt: the folder's checkpoint, where the caller has already opened it (its headers are read once)."""
         from accelerate import init_empty_weights
 
         from .models import _model_class, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)
-        self.ckpt = LazyCheckpoint(self.folder)
+        self.ckpt = ckpt if ckpt is not None else LazyCheckpoint(self.folder)
         config = read_config(self.folder)
         self.dtype = resolve_dtype(config, dtype)
         klass = _model_class(config, task)

@@ -332,12 +332,14 @@ def _load_read(folder: Path, klass, task: str, dtype) -> nn.Module | None:
     that keep modules in float32, conversions beyond renaming, missing tensors) is left to transformers."""
     if not isinstance(dtype, torch.dtype):
         return None
-    from .layerwise import LazyCheckpoint, LayerStream
+    from .layerwise import LayerStream
+    from .tensorfiles import LazyCheckpoint
 
     try:
-        if not any(d.is_floating_point for d in LazyCheckpoint(folder).dtypes):
+        ckpt = LazyCheckpoint(folder)
+        if not any(d.is_floating_point for d in ckpt.dtypes):
             return None
-        stream = LayerStream(folder, dtype=dtype, task=task)
+        stream = LayerStream(folder, dtype=dtype, task=task, ckpt=ckpt)
         if any(getattr(stream.model, k, None) for k in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
             return None  # (the concrete class: an Auto class names none)
         for i in range(stream.n_layers):

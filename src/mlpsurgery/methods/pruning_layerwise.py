@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from ..errors import MLPSurgeryError
 from ..files import Fingerprint
 from ..io import MASKS, WEIGHTS, record, streamed_save
-from ..layerwise import LayerStream, SafetensorsWriter
+from ..layerwise import LayerStream
+from ..tensorfiles import SafetensorsWriter
 from ..modules.masks import SUFFIX, install_mask, mask_of
 from ..sites import find_sites, linear_weight
 from .pruning import (PARTS, _layer_counts, _layer_linears, _pattern_text, _sparsity_of, check_pattern, input_major,

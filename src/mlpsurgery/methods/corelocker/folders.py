@@ -12,11 +12,11 @@ from typing import Iterable
 from torch import nn
 
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import check_file_out, check_out, write_private
+from ...files import check_file_out, check_out
 from ...io import loaded_from
 from ...report import ends_stages, stage
 from .config import CoreLockerConfig
-from .keyfile import key_file_bytes, read_key
+from .keyfile import read_key, write_key_file
 from .lock import lock_key, unlock_key
 from .ranking import restore_values
 from .utility import Utility, find_ratio
@@ -114,13 +114,12 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
 
     stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)" if passphrase
                                                      else ""), progress)
-    blob = key_file_bytes(key, _numels(model), passphrase)
     # the key is written first (beside its place, 0600), so a key that cannot be written stops everything
     staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
     summary = {k: key.header[k] for k in ("config", "units_extracted", "units_eligible", "locked_fingerprint",
                                           "original_fingerprint")}
     try:
-        write_private(staged, blob)
+        key_size = write_key_file(staged, key, _numels(model), passphrase)
         save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra={"corelocker": summary},
              inputs=[*inputs, key_path])
     except BaseException:
@@ -132,7 +131,7 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
     result = {
         "locked": str(out), "key": str(key_path), "encrypted": passphrase is not None, "config": asdict(cfg),
         "units_extracted": key.header["units_extracted"], "units_eligible": key.header["units_eligible"],
-        "entries": key.entries, "model_params": key.header["model_params"], "key_bytes": len(blob),
+        "entries": key.entries, "model_params": key.header["model_params"], "key_bytes": key_size,
         "model_bytes": weights.stat().st_size if weights.exists() else None,
         "locked_fingerprint": key.header["locked_fingerprint"],
     }

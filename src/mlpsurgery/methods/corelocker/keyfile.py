@@ -16,8 +16,9 @@ from torch import Tensor
 
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import check_file_out, write_private
+from ...tensorfiles import parse_bytes, serialized
 from .ranking import fingerprint
-from .sealing import PASSPHRASE_ENV, _unseal, seal
+from .sealing import PASSPHRASE_ENV, _unseal, seal_chunks
 
 KEY_FORMAT = "mlpsurgery-corelocker-key"
 KEY_VERSION = 1
@@ -56,8 +57,11 @@ def _encode_positions(pos: Tensor, numel: int) -> tuple[str, Tensor]:
 
 
 def _decode_positions(kind: str, t: Tensor, numel: int) -> Tensor:
+    """Positions as the lock made them: int32 below 2^31 entries (as int64 they were twice the key's size in
+    memory), int64 above."""
     if kind == "mask":
-        return torch.from_numpy(np.flatnonzero(np.unpackbits(t.numpy(), count=numel))).long()
+        pos = np.flatnonzero(np.unpackbits(t.numpy(), count=numel))
+        return torch.from_numpy(pos.astype(np.int32) if numel < 2 ** 31 else pos)
     return t.long()
 
 
@@ -66,14 +70,12 @@ def _payload_hash(tensors: dict[str, Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
-def key_bytes(key: Key, numels: dict[str, int]) -> bytes:
-    """The plain key as safetensors bytes (positions + values, JSON header in the metadata)."""
-    from safetensors.torch import save
-
+def _key_tensors(key: Key, numels: dict[str, int]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The plain key's tensors (positions + values) and safetensors metadata (the JSON header)."""
     tensors, params = {}, []
     for i, name in enumerate(sorted(key.positions)):
         kind, enc = _encode_positions(key.positions[name], numels[name])
@@ -81,37 +83,69 @@ def key_bytes(key: Key, numels: dict[str, int]) -> bytes:
         tensors[f"{i}.values"] = key.values[name].contiguous()
         params.append({"name": name, "numel": numels[name], "encoding": kind, "count": len(key.positions[name])})
     header = dict(key.header, params=params, payload_sha256=_payload_hash(tensors))
-    return save(tensors, metadata={"corelocker": json.dumps(header)})
+    return tensors, {"corelocker": json.dumps(header)}
+
+
+def key_bytes(key: Key, numels: dict[str, int]) -> bytes:
+    """The plain key as safetensors bytes (positions + values, JSON header in the metadata)."""
+    from safetensors.torch import save
+
+    tensors, metadata = _key_tensors(key, numels)
+    return save(tensors, metadata=metadata)
+
+
+def key_file_chunks(key: Key, numels: dict[str, int], passphrase: str | None = None) -> tuple[int, Iterable]:
+    """The key file's contents (`key_file_bytes`) as (length, chunks in order), never whole in memory: at 5% of a
+    2 B model the key is hundreds of MB, and the file's bytes beside the key's tensors (and, sealed, a second
+    copy) were the lock's largest cost after the model itself."""
+    size, chunks = serialized(*_key_tensors(key, numels))
+    return seal_chunks(size, chunks, passphrase) if passphrase is not None else (size, chunks)
 
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())[:200]
 
 
-def _parse_safetensors(blob: bytes, what: str) -> tuple[dict, dict[str, Tensor]]:
-    from safetensors.torch import load
-
+def _parse_safetensors(blob, what: str) -> tuple[dict, dict[str, Tensor]]:
+    """(metadata, tensors) of a key file's bytes (a writable buffer: the tensors are views of it, not copies)."""
     if len(blob) < 8:
         raise IntegrityError(f"{what} is truncated ({len(blob)} bytes); use an intact copy")
-    n = int.from_bytes(blob[:8], "little")
+    n = int.from_bytes(bytes(blob[:8]), "little")
     if n > len(blob) - 8:
         raise IntegrityError(f"{what} is truncated or is not a CoreLocker key (its header claims {n} bytes, the file "
                              f"has {len(blob) - 8}); use an intact copy")
     try:
-        meta = json.loads(blob[8:8 + n]).get("__metadata__") or {}
-        tensors = load(blob)
+        meta, tensors = parse_bytes(blob)
     except Exception as e:  # noqa: BLE001 - any parse error of a foreign or damaged file
         raise IntegrityError(f"{what} is damaged or is not a CoreLocker key ({type(e).__name__}: "
                              f"{_one_line(e)})") from None
+    meta = meta or {}
     if not isinstance(meta, dict):
         raise IntegrityError(f"{what} is damaged or is not a CoreLocker key (its metadata is not a map)")
     return meta, tensors
 
 
+def _read(path: Path) -> bytearray:
+    """A file's bytes, read once into a buffer of their own."""
+    buf = bytearray(path.stat().st_size)
+    with open(path, "rb", buffering=0) as f:
+        got = f.readinto(buf)
+    return buf[:got] if got != len(buf) else buf
+
+
 def key_file_bytes(key: Key, numels: dict[str, int], passphrase: str | None = None) -> bytes:
     """The key file's contents: the plain key, sealed when a passphrase is given."""
-    blob = key_bytes(key, numels)
-    return seal(blob, passphrase) if passphrase is not None else blob
+    return b"".join(key_file_chunks(key, numels, passphrase)[1])
+
+
+def write_key_file(path: str | Path, key: Key, numels: dict[str, int], passphrase: str | None = None) -> int:
+    """Write the key file's contents to `path` atomically, 0600, streamed (see `key_file_chunks`). Returns its
+    size in bytes."""
+    size, chunks = key_file_chunks(key, numels, passphrase)
+    written = write_private(path, chunks)
+    if written != size:
+        raise MLPSurgeryError(f"internal: the key file {path} has {written} bytes, not {size}")
+    return size
 
 
 def save_key(key: Key, path: str | Path, numels: dict[str, int], passphrase: str | None = None,
@@ -120,9 +154,7 @@ def save_key(key: Key, path: str | Path, numels: dict[str, int], passphrase: str
     Returns its size in bytes. `inputs`: paths the key may not be, or lie inside (the model folder)."""
     path = Path(path)
     check_file_out(path, overwrite, inputs, what="key")
-    blob = key_file_bytes(key, numels, passphrase)
-    write_private(path, blob)
-    return len(blob)
+    return write_key_file(path, key, numels, passphrase)
 
 
 # Every field a key has carried since format version 1, and its JSON type (model_type may be null).
@@ -212,7 +244,7 @@ def _entries(header: dict, tensors: dict[str, Tensor], what: str) -> tuple[dict,
         else:
             if enc.dtype not in (torch.int32, torch.int64):
                 raise altered(f"{name}: positions are not integers")
-            pos = enc.long()
+            pos = enc  # int32 (int64 for a parameter of 2^31 entries or more), as the lock made them
             if len(pos) and (int(pos[0]) < 0 or int(pos[-1]) >= numel or not bool((pos[1:] > pos[:-1]).all())):
                 raise altered(f"{name}: positions are not increasing inside the parameter's {numel} entries")
         if len(pos) != count:
@@ -231,7 +263,7 @@ def read_key(path: str | Path, passphrase: str | None = None) -> Key:
         raise MLPSurgeryError(f"{what} is a folder; give the key file written by `mlpsurgery lock key --key`")
     if not path.is_file():
         raise MLPSurgeryError(f"{what} does not exist; give the file written by `mlpsurgery lock key --key`")
-    meta, tensors = _parse_safetensors(path.read_bytes(), what)
+    meta, tensors = _parse_safetensors(_read(path), what)
     sealed = "sealed" in meta
     if sealed:
         meta, tensors = _parse_safetensors(_unseal(meta, tensors, passphrase, what), what)
@@ -260,7 +292,7 @@ def is_sealed(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_file():
         return False
-    meta, _ = _parse_safetensors(path.read_bytes(), f"key {path}")
+    meta, _ = _parse_safetensors(_read(path), f"key {path}")
     return "sealed" in meta
 
 

@@ -33,13 +33,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import Fingerprint, write_private
+from ...files import Fingerprint
 from ...io import WEIGHTS, record, streamed_save
-from ...layerwise import LayerStream, SafetensorsWriter, map_large_allocations
+from ...layerwise import LayerStream, map_large_allocations
+from ...tensorfiles import SafetensorsWriter
 from ...report import ends_stages, stage
 from .config import CoreLockerConfig
 from .folders import _place_key, check_lock_targets
-from .keyfile import key_file_bytes
+from .keyfile import write_key_file
 from .lock import check_entries, check_original, make_key
 from .ranking import Ranking, extract_entries, fingerprint, restore_entries, tensor_hash
 from .units import unit_groups
@@ -142,8 +143,8 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
             header = key.header
             stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)"
                                                              if passphrase else ""), progress)
-            blob = key_file_bytes(key, {n: p.numel() for n, p in model.named_parameters()}, passphrase)
-            write_private(staged, blob)  # the key first (beside its place, 0600): one that cannot be written stops all
+            key_size = write_key_file(staged, key, {n: p.numel() for n, p in model.named_parameters()},
+                                      passphrase)  # the key first (beside its place, 0600): one that cannot be written stops all
             extra["corelocker"] = {k: header[k] for k in summary_keys}
     except BaseException:
         staged.unlink(missing_ok=True)  # no locked model was written, so this key unlocks nothing
@@ -153,7 +154,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     return {
         "locked": str(out), "key": str(key_path), "encrypted": passphrase is not None, "config": asdict(cfg),
         "units_extracted": n_units, "units_eligible": header["units_eligible"], "entries": key.entries,
-        "model_params": header["model_params"], "key_bytes": len(blob),
+        "model_params": header["model_params"], "key_bytes": key_size,
         "model_bytes": weights.stat().st_size if weights.exists() else None,
         "locked_fingerprint": header["locked_fingerprint"], "layerwise": True,
         "dtype": str(stream.dtype).removeprefix("torch."),

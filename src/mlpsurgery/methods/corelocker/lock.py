@@ -23,15 +23,19 @@ def lock_key(model: nn.Module, cfg: CoreLockerConfig, ranking: Ranking | None = 
     cfg.validate()
     stage("hashing every tensor of the original model", progress)
     original = fingerprint(tensor_hashes(model))
-    if ranking is None:
+    own = ranking is None
+    if own:
         stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope})", progress)
         ranking = Ranking(unit_groups(model, cfg), cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken
     ranking.require_some(cfg.ratio, cfg.unit)
     stage(f"extracting {ranking.count(cfg.ratio):,} of {ranking.n_units:,} {cfg.unit} units", progress)
     extraction, n_units = ranking.take(cfg.ratio)
+    n_eligible = ranking.n_units
+    if own:
+        del ranking  # its selection (two ids per unit) is not needed past here; the caller's is the caller's
     values = apply_extraction(model, extraction)
     stage("hashing every tensor of the locked model", progress)
-    return make_key(model, cfg, extraction, values, n_units, ranking.n_units, tensor_hashes(model), original)
+    return make_key(model, cfg, extraction, values, n_units, n_eligible, tensor_hashes(model), original)
 
 
 def make_key(model: nn.Module, cfg: CoreLockerConfig, extraction: Extraction, values: dict[str, Tensor],

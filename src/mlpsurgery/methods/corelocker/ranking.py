@@ -13,7 +13,7 @@ from ...errors import MLPSurgeryError
 from .units import UnitGroup
 
 
-Extraction = dict[str, tuple[Tensor, float]]  # parameter name -> (sorted flat positions, locked value)
+Extraction = dict[str, tuple[Tensor, float]]  # parameter name -> (sorted flat positions, int32 or int64; locked value)
 
 
 class Ranking:
@@ -55,13 +55,13 @@ class Ranking:
         """The parameter entries of the units extracted at `ratio`, and how many units that is."""
         if ratio > self.max_ratio + 1e-12:
             raise MLPSurgeryError(f"ratio {ratio} exceeds the ranking's maximum {self.max_ratio}")
-        if not self.ordered and self.count(ratio) != len(self.order[0]):
+        if not self.ordered and self.count(ratio) != len(self.order[1]):
             raise MLPSurgeryError(f"internal: an unordered ranking takes only its own ratio {self.max_ratio}, not {ratio}")
         chosen: list[tuple[int, Tensor]] = []
         if self.scope == "global" and not self.ordered:
             # (group, position) order already: each group's ids are a slice (a view), sorted
-            gid, uid = self.order
-            ends = torch.bincount(gid, minlength=len(self.groups)).cumsum(0)
+            counts, uid = self.order
+            ends = counts.cumsum(0)
             starts = [0, *ends.tolist()[:-1]]
             chosen = [(g, uid[a:b]) for g, (a, b) in enumerate(zip(starts, ends.tolist())) if b > a]
         elif self.scope == "global":
@@ -75,7 +75,9 @@ class Ranking:
         fills: dict[str, float] = {}
         for g, ids in chosen:
             for name, pos, fill in self.groups[g].members(ids if not self.ordered else ids.sort().values):
-                parts.setdefault(name, []).append(pos.reshape(-1).long())
+                # int32 stays int32 (a weight unit's ids: views of the selection, not int64 copies of 100 M ids)
+                parts.setdefault(name, []).append(pos.reshape(-1) if pos.dtype in (torch.int32, torch.int64)
+                                                  else pos.reshape(-1).long())
                 fills[name] = fill
         n_units = sum(len(ids) for _, ids in chosen)
         del chosen
@@ -132,10 +134,11 @@ def _select(hist: Tensor, k: int) -> tuple[int, int]:
 
 def global_top(groups: list[UnitGroup], k: int, ordered: bool = True) -> tuple[Tensor, Tensor]:
     """(group ids, unit ids) of the k highest-scored units of all groups, best first; ties broken by (group,
-    position) order. ordered=False: the same k units in (group, position) order, unsorted by score. Memory: one
+    position) order. ordered=False: (units chosen in each group, unit ids) of the same k units in (group,
+    position) order, unsorted by score (a group id per unit would be as large as the ids themselves). Memory: one
     slice of scores plus the k chosen."""
     if k <= 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return (torch.zeros(0 if ordered else len(groups), dtype=torch.long), torch.zeros(0, dtype=torch.long))
     hist = torch.zeros(65536, dtype=torch.long)
     for _, _, key in _slices(groups):
         hist += torch.bincount((key >> 16).long() + 32768, minlength=65536)
@@ -147,26 +150,30 @@ def global_top(groups: list[UnitGroup], k: int, ordered: bool = True) -> tuple[T
     kth = ((hi - 32768) << 16) | lo
     ties = k - above - more  # units scored exactly the k-th score that are taken
     # the k chosen are most of the memory at a large k (5% of a 2 B model: 100 M units), so ids are kept as int32
-    # where they fit and every list is freed as soon as it is concatenated
+    # where they fit and written into their final tensors as each slice is done (no lists to concatenate: those
+    # held the ids twice)
     gdt = torch.int32 if len(groups) < 2**31 else torch.long
     udt = torch.int32 if max(len(g) for g in groups) < 2**31 else torch.long
-    gids, uids, keys = [], [], []
-    for gi, a, key in _slices(groups):
-        tied = (key == kth).nonzero().squeeze(1)[:ties]
+    uid = torch.empty(k, dtype=udt)
+    counts = torch.zeros(len(groups), dtype=torch.long)
+    if ordered:
+        gid, key = torch.empty(k, dtype=gdt), torch.empty(k, dtype=torch.int32)
+    at = 0
+    for gi, a, key_slice in _slices(groups):
+        tied = (key_slice == kth).nonzero().squeeze(1)[:ties]
         ties -= len(tied)
-        ids = torch.cat([(key > kth).nonzero().squeeze(1), tied]).sort().values
-        gids.append(torch.full((len(ids),), gi, dtype=gdt))
-        uids.append((ids + a).to(udt))
+        ids = torch.cat([(key_slice > kth).nonzero().squeeze(1), tied]).sort().values
+        n = len(ids)
+        uid[at:at + n] = ids + a
+        counts[gi] += n
         if ordered:
-            keys.append(key[ids])
-    gid = torch.cat(gids)
-    del gids
-    uid = torch.cat(uids)
-    del uids
+            gid[at:at + n] = gi
+            key[at:at + n] = key_slice[ids]
+        at += n
+    if at != k:
+        raise MLPSurgeryError(f"internal: the selection found {at} units, not {k}")
     if not ordered:
-        return gid, uid
-    key = torch.cat(keys)
-    del keys
+        return counts, uid
     perm = torch.sort(key, descending=True, stable=True).indices  # stable: ties keep (group, position) order
     del key
     gid = gid[perm]
@@ -222,7 +229,7 @@ def tensor_hash(name: str, t: Tensor) -> str:
     """SHA-256 of one tensor under its state-dict name (name, dtype and shape included)."""
     t = t.detach().cpu().contiguous()
     h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy of them
     return h.hexdigest()
 
 

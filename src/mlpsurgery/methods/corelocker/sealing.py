@@ -117,8 +117,16 @@ def _scrypt_key(passphrase: str, salt: bytes, params: dict) -> bytes:
 
 def seal(plain: bytes, passphrase: str) -> bytes:
     """AES-256-GCM under a scrypt key from the passphrase; the header (KDF, salt, nonce) is the AAD."""
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    from safetensors.torch import save
+    return b"".join(seal_chunks(len(plain), [plain], passphrase)[1])
+
+
+def seal_chunks(size: int, chunks, passphrase: str):
+    """`seal` of the `size` plain bytes that `chunks` yield in order, as (the sealed file's length, its chunks):
+    encrypted as they come (GCM is a stream cipher; the 16-byte tag follows the ciphertext, as AESGCM.encrypt
+    puts it), so neither the plain key nor the sealed one is ever whole in memory."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from ...tensorfiles import serialized_header
 
     if not passphrase:
         raise MLPSurgeryError("an empty passphrase cannot protect a key; choose one")
@@ -126,13 +134,28 @@ def seal(plain: bytes, passphrase: str) -> bytes:
     header = json.dumps({"format": SEALED_FORMAT, "version": SEALED_VERSION, "cipher": CIPHER,
                          "kdf": {"name": "scrypt", **SCRYPT, "salt": base64.b64encode(salt).decode()},
                          "nonce": base64.b64encode(nonce).decode()})
-    ct = AESGCM(_scrypt_key(passphrase, salt, SCRYPT)).encrypt(nonce, plain, header.encode())
-    return save({"ciphertext": torch.frombuffer(bytearray(ct), dtype=torch.uint8)}, metadata={"sealed": header})
+    enc = Cipher(algorithms.AES(_scrypt_key(passphrase, salt, SCRYPT)), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(header.encode())
+    prefix = serialized_header({"ciphertext": (torch.uint8, (size + 16,))}, {"sealed": header})
+
+    def out():
+        yield prefix
+        done = 0
+        for chunk in chunks:
+            done += len(memoryview(chunk).cast("B"))
+            yield enc.update(chunk)
+        if done != size:
+            raise MLPSurgeryError(f"internal: sealing {done} bytes, not the {size} announced")
+        yield enc.finalize() + enc.tag
+
+    return len(prefix) + size + 16, out()
 
 
-def _unseal(meta: dict, tensors: dict[str, Tensor], passphrase: str | None, what: str) -> bytes:
+def _unseal(meta: dict, tensors: dict[str, Tensor], passphrase: str | None, what: str) -> memoryview:
+    """The plain key inside a sealed one, decrypted into one buffer of its own (usable only once the tag has
+    authenticated it: anything else raises)."""
     from cryptography.exceptions import InvalidTag
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     text = meta["sealed"]
     params, salt, nonce = sealed_header(text, what)
@@ -143,9 +166,14 @@ def _unseal(meta: dict, tensors: dict[str, Tensor], passphrase: str | None, what
     if passphrase is None:
         raise MLPSurgeryError(f"{what} is encrypted; give its passphrase (environment variable {PASSPHRASE_ENV}, "
                               "or type it at the prompt)")
+    data = ct.numpy()
     try:
-        return AESGCM(_scrypt_key(passphrase, salt, params)).decrypt(nonce, ct.numpy().tobytes(),
-                                                                 text.encode("utf-8", "surrogatepass"))
+        dec = Cipher(algorithms.AES(_scrypt_key(passphrase, salt, params)), modes.GCM(nonce)).decryptor()
+        dec.authenticate_additional_data(text.encode("utf-8", "surrogatepass"))
+        out = bytearray(len(data) - 16 + 15)  # update_into wants a block's slack
+        n = dec.update_into(data[:-16], out)
+        dec.finalize_with_tag(data[-16:].tobytes())
+        return memoryview(out)[:n]
     except InvalidTag:
         raise IntegrityError(f"{what}: wrong passphrase, or the key file was altered or truncated "
                              "(authentication failed); nothing was changed") from None
