@@ -130,6 +130,10 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
         ("unlock --layerwise", ["unlock", str(w / "locked-lw"), *d, "--key", str(w / "key-lw.bin"), "--layerwise",
                                 "--out", str(w / "unlocked-lw")]),
         ("export (fused)", ["export", str(w / "fused"), *d, "--out", str(w / "exported")]),
+        ("nest rank --rank 64 (of the nest row's folder)", ["nest", "rank", str(w / "nested"), *d, "--rank", "64",
+                                                             "--out", str(w / "nested-r64")]),
+        ("twist extract --keep 6 (of 12 MLP chunks)", ["twist", "extract", model, *d, "--keep", "6",
+                                                       "--out", str(w / "twist-k6")]),
     ]
 
 

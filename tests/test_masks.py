@@ -14,12 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from mlpsurgery.io import load, save
 from mlpsurgery.methods.pruning import prune
+from mlpsurgery.modules import masks
 from mlpsurgery.modules.masks import install_mask, mask_of, masked_parameters, pack, unpack
 from mlpsurgery.tiny import tiny_model
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (7,), (8,), (9,), (3, 5), (64, 33), (2, 3, 11)])
-def test_pack_is_numpys_packbits_and_unpack_inverts_it(shape):
+def test_pack_is_numpys_packbits_and_unpack_inverts_it(shape, monkeypatch):
     g = torch.Generator().manual_seed(sum(shape))
     keep = torch.rand(shape, generator=g) > 0.5
     packed = pack(keep)
@@ -30,6 +31,13 @@ def test_pack_is_numpys_packbits_and_unpack_inverts_it(shape):
     with pytest.raises(ValueError, match="packed mask"):
         unpack(torch.zeros(packed.numel() + 1, dtype=torch.uint8), shape)
     assert torch.equal(pack(keep.to(torch.uint8) * 3), packed)  # any non-zero byte is a kept entry
+    # packed a slice at a time (slices cut at 16 entries here): the same bits; and the non-zeros of a tensor
+    values = torch.where(keep, torch.randn(shape, generator=g), torch.zeros(shape))
+    values[values.abs() > 1.5] = float("nan")
+    assert masks._CHUNK % 8 == 0
+    for chunk in (masks._CHUNK, 16):
+        monkeypatch.setattr(masks, "_CHUNK", chunk)
+        assert torch.equal(pack(keep), packed) and torch.equal(masks.pack_nonzero(values), pack(values != 0))
 
 
 def _pruned(arch="llama"):

@@ -34,14 +34,29 @@ _HOOKED = "_mlpsurgery_mask_hooked"
 _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+_CHUNK = 1 << 20  # entries packed at a time (a multiple of 8)
+
+
 def pack(keep: torch.Tensor) -> torch.Tensor:
     """A boolean tensor of any shape as bits: flat uint8, ceil(numel / 8) bytes, least significant bit first."""
-    flat = keep.reshape(-1).to(torch.bool).to(torch.uint8)  # a copy: a 0/1 byte per entry
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    bits = torch.tensor(_BITS, dtype=torch.uint8, device=flat.device)
-    return flat.view(-1, 8).mul_(bits).sum(dim=1, dtype=torch.uint8)
+    return _pack_slices(keep.reshape(-1), lambda part: part.to(torch.bool))
+
+
+def pack_nonzero(p: torch.Tensor) -> torch.Tensor:
+    """`pack(p != 0)` without the byte-per-entry mask: a slice of p at a time."""
+    return _pack_slices(p.detach().reshape(-1), lambda part: part != 0)
+
+
+def _pack_slices(flat: torch.Tensor, to_keep) -> torch.Tensor:
+    """The bits of `to_keep(slice)` over `flat`, a slice of _CHUNK entries at a time into one output: no temporary
+    of the mask's full size, whose freed pieces between the masks kept (allocated in between) stayed in the heap --
+    a 2 B model's masks packed whole in one go grew the process by 0.9 GB beside their 0.24 GB."""
+    n = flat.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=flat.device)
+    for a in range(0, n, _CHUNK):
+        b = min(a + _CHUNK, n)
+        out[a // 8:(b + 7) // 8] = _pack_torch(to_keep(flat[a:b]))
+    return out
 
 
 def unpack(packed: torch.Tensor, shape) -> torch.Tensor:
@@ -51,9 +66,24 @@ def unpack(packed: torch.Tensor, shape) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != (n + 7) // 8:
         raise ValueError(f"a packed mask of {tuple(shape)} is {(n + 7) // 8} uint8 bytes, "
                          f"not {packed.dtype} {tuple(packed.shape)}")
+    return _unpack_torch(packed, n).view(shape)
+
+
+def _pack_torch(keep: torch.Tensor) -> torch.Tensor:
+    """`pack` of a flat boolean tensor on any device, in torch operations."""
+    flat = keep.to(torch.uint8)  # a copy: a 0/1 byte per entry
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    bits = torch.tensor(_BITS, dtype=torch.uint8, device=flat.device)
+    return flat.view(-1, 8).mul_(bits).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`unpack` on any device, in torch operations: the first n bits as a flat boolean tensor."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1)
-    return bits.view(-1)[:n].view(torch.bool).view(shape)
+    return bits.view(-1)[:n].view(torch.bool)
 
 
 def mask_of(model: nn.Module, name: str) -> torch.Tensor:
@@ -92,14 +122,22 @@ def install_mask(model: nn.Module, name: str, keep: torch.Tensor | None = None) 
     """Keep parameter `name` of `model` where `keep` (default: where it is non-zero) is True, from now on."""
     mod, attr = _split(model, name)
     p = getattr(mod, attr)
+    buffer = attr + SUFFIX
+    if keep is None and buffer not in mod._buffers:
+        # keep = the non-zeros: multiplying by it would change nothing (not even a zero's sign)
+        mod.register_buffer(buffer, pack_nonzero(p))
+        _watch(mod)
+        return
+    zeros_only = keep is None
     keep = (p.detach() != 0) if keep is None else keep.to(device=p.device, dtype=torch.bool)
     if keep.shape != p.shape:
         raise ValueError(f"mask shape {tuple(keep.shape)} does not match {name} {tuple(p.shape)}")
-    buffer = attr + SUFFIX
     if buffer in mod._buffers:
         keep = keep & unpack(mod._buffers[buffer], p.shape)
-    with torch.no_grad():
-        p.mul_(keep.to(p.dtype))
+        zeros_only = False
+    if not zeros_only:
+        with torch.no_grad():
+            p.mul_(keep.to(p.dtype))
     if buffer in mod._buffers:
         mod._buffers[buffer] = pack(keep)
     else:

@@ -143,8 +143,8 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
             header = key.header
             stage("writing the key and the locked model" + (" (sealing the key: scrypt takes a moment)"
                                                              if passphrase else ""), progress)
-            key_size = write_key_file(staged, key, {n: p.numel() for n, p in model.named_parameters()},
-                                      passphrase)  # the key first (beside its place, 0600): one that cannot be written stops all
+            # the key first (beside its place, 0600): one that cannot be written stops all
+            key_size = write_key_file(staged, key, {n: p.numel() for n, p in model.named_parameters()}, passphrase)
             extra["corelocker"] = {k: header[k] for k in summary_keys}
     except BaseException:
         staged.unlink(missing_ok=True)  # no locked model was written, so this key unlocks nothing
