@@ -1,3 +1,4 @@
+import copy
 import json
 import math
 
@@ -124,6 +125,30 @@ def test_extracted_subnet_is_the_masked_model_with_scaling(arch, ids):
     before, after = find_sites(m), find_sites(x)
     assert [s.n_kv for s in after.attn] == [before.attn[0].n_kv, 1, 1, before.attn[3].n_kv]
     assert [s.h for s in after.mlp] == [64, 32, 32, 64]
+
+
+@pytest.mark.parametrize("arch", SUBSET_ARCHS)
+def test_a_consumed_model_gives_the_same_subnet_and_is_released_layer_by_layer(arch, ids):
+    """twist extract's CLI gives the loaded model up as the subnet is built (consume=True): the same subnet bit for
+    bit, and every attention and MLP tensor of the source layers released (the rest is the caller's)."""
+    m = four_layers(arch)
+    kept = copy.deepcopy(m)
+    layout = make_layout(m, "both", [1, 2], blocks=4, keep=2, attn_keep=1)
+    sub = layout.deployment(torch.Generator().manual_seed(5))
+    want = materialize(kept, layout, sub)
+    got = materialize(m, layout, sub, consume=True)
+    assert want.state_dict().keys() == got.state_dict().keys()
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in want.state_dict().items())
+    assert torch.equal(outputs(got, ids), outputs(want, ids))
+    sites, full = find_sites(m), find_sites(kept)
+    for i in range(len(sites)):
+        assert all(p.numel() == 0 for p in sites.attn[i].parameters()), (arch, i)
+        assert all(p.numel() == 0 for mod in sites.mlp[i].modules() for p in mod.parameters()), (arch, i)
+        assert sum(p.numel() for mod in full.mlp[i].modules() for p in mod.parameters()) > 0
+    # what is left is exactly what lies outside the layers' attention projections and MLPs (embeddings, norms)
+    inside = sum(p.numel() for i in range(len(full)) for p in (*full.attn[i].parameters(),
+                                                               *(q for mod in full.mlp[i].modules() for q in mod.parameters())))
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in kept.parameters()) - inside > 0
 
 
 @pytest.mark.parametrize("arch", ("gpt2", "opt", "phi3"))

@@ -655,8 +655,20 @@ def _checked_subset(name: str, layer: int, idx, n: int) -> list[int]:
     return idx
 
 
+def _release(modules) -> None:
+    """Give up the parameters of `modules` and their children (a consumed model's layer): each becomes an empty
+    tensor of its dtype, and the freed heap pages go back to the OS (a layer's smaller tensors come from the heap,
+    where glibc would otherwise keep them)."""
+    from .layerwise import _trim
+
+    for mod in modules:
+        for p in mod.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _trim()
+
+
 def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
-                 mlp_neurons: dict[int, Any] | None = None) -> nn.Module:
+                 mlp_neurons: dict[int, Any] | None = None, consume: bool = False) -> nn.Module:
     """A new model whose layer i keeps only the KV groups `attn_groups[i]` (each with all its query heads;
     without grouped-query attention a group is one head) and the MLP inner neurons `mlp_neurons[i]`, in the
     order given; layers not named keep all of theirs, and every other tensor is copied. `model` is not touched.
@@ -665,6 +677,8 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
     fewer heads / a smaller intermediate size, so plain `from_pretrained` loads what `save` writes. Otherwise it
     is the stock class with narrower projections in the reduced layers (`save` records them, `load` rebuilds
     them). A model on the meta device gives a model on the meta device (a skeleton for `to_empty`).
+    consume=True: `model` is given up -- each layer's attention and MLP tensors are released once the new layer
+    holds its subset, so the two models are not whole in memory together (the caller must not use `model` after).
     Where the stock attention takes its head count from the config (gpt2, opt, phi3: `ArchSpec.narrow_attn`)
     and the config cannot state the layer's count, a layer with fewer heads gets the registered attention
     whose head count follows its projections (modules/attention.py); `save` records it, `load` rebuilds it.
@@ -726,6 +740,7 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
         for k, v in new.state_dict().items():
             if not any(k.startswith(p) for p in rewritten):
                 v.copy_(src_state[k])
+    del src_state  # (its references would keep every released tensor alive)
     new_sites = find_sites(new)
     new_path = {id(m): p for p, m in new.named_modules()}
     for i, g in groups.items():
@@ -748,8 +763,12 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
                                                     device=mod.weight.device, dtype=mod.weight.dtype))
         if param.device.type != "meta":  # a skeleton has no values to move (nor can meta group indices be read)
             site.write(sites.attn[i].read().select_groups(g))
+        if consume:
+            _release(sites.attn[i].projections())
     for i, n in neurons.items():
         new_sites.mlp[i].write(sites.mlp[i].read().select(n))
+        if consume:
+            _release(sites.mlp[i].modules())
     new._mlpsurgery_history = history(model)
     new._mlpsurgery_source = source_of(model)
     if getattr(model, "generation_config", None) is not None:

@@ -130,13 +130,14 @@ def run_extract(args) -> dict:
     stage(args, f"loading {args.dir}")
     loaded = load_model(args.dir)
     loaded.model.to(device_of(args))
+    before = count_params(loaded.model)
     stage(args, f"cutting out the subnet of seed {args.seed}")
     new = twist_extract(loaded.model, keep=args.keep, blocks=args.blocks, parts=args.parts, attn_keep=args.attn_keep,
                         shared_first=args.shared_first, shared_last=args.shared_last, seed=args.seed,
-                        rescale=not args.no_rescale)
+                        rescale=not args.no_rescale, consume=True)  # the loaded model is not used again
     stage(args, f"saving to {args.out}")
     save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir])
-    before, after = count_params(loaded.model), count_params(new)
+    after = count_params(new)
     entry = new._mlpsurgery_history[-1]
     return {"out": args.out, "from": args.dir, "seed": args.seed, "config": entry["config"],
             "subnet": entry["provenance"]["subnet"], "params_before": before["total"], "params_after": after["total"],

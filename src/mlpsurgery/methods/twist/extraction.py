@@ -32,9 +32,12 @@ def _scale_output(site, weight: str, bias: str, f: float) -> None:
     site.write(w)
 
 
-def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool = True) -> nn.Module:
-    """The physically smaller dense model of `subnet`, sqrt(N_full/N_sub) folded into the output projections."""
-    new = subset_model(model, *layout.subset_args(subnet))
+def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool = True,
+                consume: bool = False) -> nn.Module:
+    """The physically smaller dense model of `subnet`, sqrt(N_full/N_sub) folded into the output projections.
+    consume=True: `model`'s layers are released as the subnet's are made (`subset_model`), so the two are not
+    whole in memory together; `model` is unusable after."""
+    new = subset_model(model, *layout.subset_args(subnet), consume=consume)
     if rescale:
         sites = find_sites(new)
         for i in subnet.attn:
@@ -46,13 +49,16 @@ def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool 
 
 def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts: str | None = None,
                   attn_keep: int | None = None, layers=None, shared_first: int | None = None,
-                  shared_last: int | None = None, seed: int = 0, rescale: bool = True) -> nn.Module:
+                  shared_last: int | None = None, seed: int = 0, rescale: bool = True, consume: bool = False
+                  ) -> nn.Module:
     """Deploy one random subnet at kappa = keep / blocks as a physically smaller dense model (no data, no search).
 
     Unset settings come from the model's TwIST (or data-parallel) training record, else TwISTConfig's defaults:
     R = blocks, parts, shared first / last layers (or an explicit `layers` list), the common sets. The subnet
     holds C plus random blocks drawn with `seed`. Where every layer ends with the same widths the result is a
     stock transformers model; with shared layers kept whole it is saved and reloaded through mlpsurgery.save/load.
+    consume=True: `model` is given up layer by layer as the subnet is built (`materialize`): the peak is about one
+    model, not the model and its subnet.
     """
     trained = trained_settings(model)
     base = TwISTConfig(**{k: v for k, v in trained.items() if k in TwISTConfig.__dataclass_fields__})
@@ -65,7 +71,7 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
         layers = list(range(first, n_layers - last))
     layout = make_layout(model, parts, layers, blocks, keep, attn_keep, base.common_attn, base.common_ffn)
     subnet = layout.deployment(torch.Generator().manual_seed(seed))
-    new = materialize(model, layout, subnet, rescale=rescale)
+    new = materialize(model, layout, subnet, rescale=rescale, consume=consume)
     record(new, "twist-extract", {"keep": keep, "blocks": blocks, "parts": parts, "attn_keep": attn_keep,
                                   "layers": layers, "rescale": rescale},
            seed=seed, subnet=subnet.as_dict())
