@@ -383,23 +383,25 @@ def _load_masks(model: nn.Module, folder: Path, names: list[str]) -> None:
     except (AttributeError, TypeError):
         raise IntegrityError(f"the manifest's masks name parameters this model does not have: {names[:4]}; it was "
                              "edited") from None
-    damaged = f"{folder / MASKS} is damaged"
+    def lacks(name: str) -> IntegrityError:
+        return IntegrityError(f"{folder / MASKS} lacks the mask of {name} (or it has another shape); restore it")
+
+    if not (folder / MASKS).is_file():
+        raise lacks(names[0])
     try:
-        with contextlib.ExitStack() as stack:
-            f = stack.enter_context(safe_open(str(folder / MASKS), framework="pt")) if (folder / MASKS).is_file() else None
-            stored = set(f.keys()) if f is not None else set()
+        with safe_open(str(folder / MASKS), framework="pt") as f:
+            stored = set(f.keys())
             for name in names:  # one mask in memory at a time, bit-packed as it is put in
-                lacks = f"{folder / MASKS} lacks the mask of {name} (or it has another shape); restore it"
                 if name not in stored:
-                    raise IntegrityError(lacks)
+                    raise lacks(name)
                 try:
                     load_mask(model, name, f.get_tensor(name))
                 except ValueError:
-                    raise IntegrityError(lacks) from None
+                    raise lacks(name) from None
     except IntegrityError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors' own errors for a damaged file
-        raise IntegrityError(f"{damaged} ({type(e).__name__}); restore it") from None
+        raise IntegrityError(f"{folder / MASKS} is damaged ({type(e).__name__}); restore it") from None
 
 
 def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]:
@@ -659,12 +661,12 @@ def _release(modules) -> None:
     """Give up the parameters of `modules` and their children (a consumed model's layer): each becomes an empty
     tensor of its dtype, and the freed heap pages go back to the OS (a layer's smaller tensors come from the heap,
     where glibc would otherwise keep them)."""
-    from .layerwise import _trim
+    from .layerwise import trim_heap
 
     for mod in modules:
         for p in mod.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    _trim()
+    trim_heap()
 
 
 def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,

@@ -51,7 +51,7 @@ class Activations:
     calls: list[list[tuple[tuple, dict]]] = field(repr=False)  # [layer][batch] -> (args, kwargs)
 
 
-def _trim() -> None:
+def trim_heap() -> None:
     """Hand freed heap pages back to the OS (glibc), so a released layer leaves the resident set."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -229,7 +229,7 @@ class LayerStream:
             for k, b in mod._buffers.items():
                 if b is not None and not b.is_meta and k not in mod._non_persistent_buffers_set:
                     mod._buffers[k] = torch.empty_like(b, device="meta")
-        _trim()
+        trim_heap()
 
     def layer_state(self, i: int) -> dict[str, Tensor]:
         """Layer i's persistent tensors under their whole-model names."""

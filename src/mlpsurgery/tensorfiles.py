@@ -211,8 +211,8 @@ def serialized_header(layout: Layout, metadata: dict[str, str] | None = None) ->
     return _plan(layout, metadata)[0]
 
 
-def _bytes_of(t: Tensor):
-    """A tensor's bytes as a buffer (no copy for a contiguous CPU tensor)."""
+def tensor_bytes(t: Tensor) -> memoryview:
+    """A tensor's bytes as a buffer (no copy for a contiguous CPU tensor): what is written, or hashed."""
     return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -224,7 +224,7 @@ def serialized(tensors: dict[str, Tensor], metadata: dict[str, str] | None = Non
     def chunks():
         yield memoryview(prefix)
         for name in slots:
-            yield _bytes_of(tensors[name])
+            yield tensor_bytes(tensors[name])
 
     return len(prefix) + size, chunks()
 
@@ -252,7 +252,7 @@ class SafetensorsWriter:
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise MLPSurgeryError(f"internal: {name} is {t.dtype} {tuple(t.shape)}, the header says {dtype} {shape}")
         self._f.seek(self.base + off)
-        self._f.write(_bytes_of(t))
+        self._f.write(tensor_bytes(t))
         self.pending.discard(name)
 
     def close(self) -> None:
@@ -283,7 +283,7 @@ class SafetensorsAppender:
             raise MLPSurgeryError(f"internal: {name} written twice into {self.path.name}")
         if t.dtype not in _DTYPES:
             raise MLPSurgeryError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
-        data = _bytes_of(t)
+        data = tensor_bytes(t)
         self._f.seek(self.base + self.pos)
         self._f.write(data)
         self.entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),

@@ -128,20 +128,14 @@ def install_mask(model: nn.Module, name: str, keep: torch.Tensor | None = None) 
         mod.register_buffer(buffer, pack_nonzero(p))
         _watch(mod)
         return
-    zeros_only = keep is None
     keep = (p.detach() != 0) if keep is None else keep.to(device=p.device, dtype=torch.bool)
     if keep.shape != p.shape:
         raise ValueError(f"mask shape {tuple(keep.shape)} does not match {name} {tuple(p.shape)}")
     if buffer in mod._buffers:
         keep = keep & unpack(mod._buffers[buffer], p.shape)
-        zeros_only = False
-    if not zeros_only:
-        with torch.no_grad():
-            p.mul_(keep.to(p.dtype))
-    if buffer in mod._buffers:
-        mod._buffers[buffer] = pack(keep)
-    else:
-        mod.register_buffer(buffer, pack(keep))
+    with torch.no_grad():
+        p.mul_(keep.to(p.dtype))
+    mod.register_buffer(buffer, pack(keep))  # (replaces the mask it had)
     _watch(mod)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import check_file_out, write_private
-from ...tensorfiles import parse_bytes, serialized
+from ...tensorfiles import parse_bytes, serialized, tensor_bytes
 from .ranking import fingerprint
 from .sealing import PASSPHRASE_ENV, _unseal, seal_chunks
 
@@ -68,9 +68,9 @@ def _decode_positions(kind: str, t: Tensor, numel: int) -> Tensor:
 def _payload_hash(tensors: dict[str, Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
+        t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import MLPSurgeryError
+from ...tensorfiles import tensor_bytes
 from .units import UnitGroup
 
 
@@ -227,9 +228,8 @@ def restore_values(model: nn.Module, positions: dict[str, Tensor], values: dict[
 
 def tensor_hash(name: str, t: Tensor) -> str:
     """SHA-256 of one tensor under its state-dict name (name, dtype and shape included)."""
-    t = t.detach().cpu().contiguous()
     h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, not a copy of them
+    h.update(tensor_bytes(t))  # the tensor's own bytes, not a copy of them
     return h.hexdigest()
 
 

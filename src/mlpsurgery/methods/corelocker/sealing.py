@@ -142,7 +142,7 @@ def seal_chunks(size: int, chunks, passphrase: str):
         yield prefix
         done = 0
         for chunk in chunks:
-            done += len(memoryview(chunk).cast("B"))
+            done += memoryview(chunk).nbytes
             yield enc.update(chunk)
         if done != size:
             raise MLPSurgeryError(f"internal: sealing {done} bytes, not the {size} announced")
