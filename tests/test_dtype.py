@@ -149,3 +149,21 @@ def test_a_class_keeping_modules_in_float32_is_left_to_transformers(tmp_path, mo
     assert _load_read(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is not None
     monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules", ["down_proj"], raising=False)
     assert _load_read(tmp_path / "ckpt", transformers.AutoModelForCausalLM, "causal-lm", torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma2", "phi3"])
+def test_a_saved_bfloat16_folder_loads_as_transformers_loads_the_same_weights(tmp_path, arch):
+    """`load` builds the saved model in its dtype as transformers does: buffers transformers computes in float32
+    (the rotary frequencies) stay float32, so the loaded model's outputs are from_pretrained's bit for bit (they
+    were cast to bfloat16 with the weights, which moved every rotary position's angle)."""
+    from transformers import AutoModel
+
+    tiny_model(arch).save_pretrained(tmp_path / "hf")
+    ref = AutoModel.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    ms.save(ref, tmp_path / "ours")
+    got = ms.load(tmp_path / "ours")
+    fp32 = {n for n, b in ref.named_buffers() if b.dtype == torch.float32}
+    assert {n for n, b in got.named_buffers() if b.dtype == torch.float32} == fp32
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)

@@ -280,10 +280,14 @@ def read_manifest(folder: str | Path) -> dict:
     return manifest
 
 
-def rebuild(config, model_class: str, modules: list[dict], weights: Path | None = None) -> nn.Module:
+def rebuild(config, model_class: str, modules: list[dict], weights: Path | None = None,
+            dtype: torch.dtype | None = None) -> nn.Module:
     """The stock model with the manifest's module replacements, weights uninitialised. With `weights`, every
     replacement is first built on the meta device and its tensor shapes checked against the file's header, so a
-    manifest that asks for other (or absurd) sizes is refused before anything is allocated."""
+    manifest that asks for other (or absurd) sizes is refused before anything is allocated. With `dtype`, the
+    stock model is built in it as transformers builds it (`_from_config(dtype=)`: buffers it computes in float32,
+    such as the rotary frequencies, stay float32, as `from_pretrained` keeps them) and the replacements cast to
+    it."""
     import transformers
 
     klass = getattr(transformers, model_class, None)
@@ -296,11 +300,12 @@ def rebuild(config, model_class: str, modules: list[dict], weights: Path | None 
     except ImportError:  # older transformers
         no_init_weights = contextlib.nullcontext
     with no_init_weights():
-        model = klass._from_config(config)
+        model = klass._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     model.tie_weights()  # no_init_weights also skips the tying that init would do
     for entry in modules:
         owner, name = _owner(model, entry)
-        setattr(owner, name, build(entry["class"], entry.get("config", {})))
+        mod = build(entry["class"], entry.get("config", {}))
+        setattr(owner, name, mod if dtype is None else mod.to(dtype))
     return model
 
 
@@ -447,8 +452,8 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
     if verify:
         verify_files(folder, manifest)
     config = read_config(folder)
-    model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights)
-    model.to(getattr(torch, manifest.get("dtype", "float32")))
+    model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights,
+                    dtype=getattr(torch, manifest.get("dtype", "float32")))
     try:
         missing, unexpected = load_weights(model, weights)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
