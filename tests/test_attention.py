@@ -1,5 +1,5 @@
 """modules/attention.py: GPT-2, OPT and Phi-3 attentions whose head count follows their projections, installed by
-io.subset_model where a layer keeps fewer heads than the config can state."""
+subsets.subset_model where a layer keeps fewer heads than the config can state."""
 
 import copy
 import json
@@ -9,7 +9,8 @@ import torch
 
 from conftest import edit_manifest, outputs
 from mlpsurgery.errors import IntegrityError
-from mlpsurgery.io import load, replaced_modules, save, subset_model
+from mlpsurgery.io import load, replaced_modules, save
+from mlpsurgery.subsets import subset_model
 from mlpsurgery.modules import MODULES
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import tiny_model

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from conftest import outputs
 from mlpsurgery.errors import MLPSurgeryError
-from mlpsurgery.io import load, replaced_modules, save, subset_model
+from mlpsurgery.io import load, replaced_modules, save
+from mlpsurgery.subsets import subset_model
 from mlpsurgery.methods.twist import (Aggregator, Subnet, TwISTConfig, attn_keep_for, check_subnet_size,
                                       deployment_subnet, generate_blueprint, make_layout, materialize, subnet_hooks,
                                       twist_extract, twist_train)
@@ -193,6 +194,64 @@ def test_subset_model_errors():
         make_layout(m, "ffn", [1], blocks=5, keep=2)
 
 
+# ---- layer by layer (methods/twist/layerwise.py) -------------------------------------------------------
+
+def _same_subnet_folders(a_dir, b_dir):
+    """The same tensors, config and manifest records (the weights file's layout differs: a header written last)."""
+    from conftest import file_tensors
+    from mlpsurgery.io import MANIFEST
+
+    a, b = file_tensors(a_dir), file_tensors(b_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert (a_dir / "config.json").read_text() == (b_dir / "config.json").read_text()
+    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
+    for key in ("source", "history", "masks", "dtype", "model_class", "modules"):
+        assert ja[key] == jb[key], key
+    assert ja["history"][-1]["method"] == "twist-extract"
+
+
+@pytest.mark.parametrize("arch", SUBSET_ARCHS)
+def test_layerwise_extraction_writes_what_the_whole_model_one_writes(arch, ids, tmp_path, monkeypatch):
+    from mlpsurgery.layerwise import LayerStream
+    from mlpsurgery.methods.twist.layerwise import extract_layerwise
+
+    save(four_layers(arch), tmp_path / "tw")
+    kw = dict(keep=2, blocks=4, parts="both", attn_keep=1, shared_first=1, shared_last=1, seed=5)
+    whole = twist_extract(load(tmp_path / "tw"), **kw)
+    save(whole, tmp_path / "whole")
+    held = []  # how many source layers hold real tensors when one more is read: never more than none
+    read = LayerStream.materialise
+
+    def materialise(self, i):
+        held.append(sum(any(not t.is_meta for t in layer.state_dict().values()) for layer in self.layers))
+        return read(self, i)
+
+    monkeypatch.setattr(LayerStream, "materialise", materialise)
+    r = extract_layerwise(tmp_path / "tw", tmp_path / "lw", progress=False, **kw)
+    assert held == [0, 0, 0, 0]
+    _same_subnet_folders(tmp_path / "whole", tmp_path / "lw")
+    assert r["params_after"] == sum(p.numel() for p in whole.parameters()) < r["params_before"]
+    assert torch.equal(outputs(load(tmp_path / "lw"), ids), outputs(whole, ids))
+
+
+@pytest.mark.parametrize("arch,parts", [("qwen3", "both"), ("gpt2", "ffn")])  # (GPT-2's config cannot state fewer heads)
+def test_layerwise_uniform_subnet_in_bfloat16_is_a_plain_transformers_model(arch, parts, ids, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mlpsurgery.methods.twist.layerwise import extract_layerwise
+
+    save(four_layers(arch).to(torch.bfloat16), tmp_path / "tw")
+    kw = dict(keep=2, blocks=4, parts=parts, shared_first=0, shared_last=0, seed=1)
+    save(twist_extract(load(tmp_path / "tw"), **kw), tmp_path / "whole")
+    r = extract_layerwise(tmp_path / "tw", tmp_path / "lw", progress=False, **kw)
+    _same_subnet_folders(tmp_path / "whole", tmp_path / "lw")
+    assert r["dtype"] == "bfloat16"
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "lw", dtype=torch.bfloat16).eval()
+    assert torch.equal(outputs(plain, ids), outputs(load(tmp_path / "whole"), ids))
+
+
 # ---- aggregation and training ----------------------------------------------------------------------
 
 def test_aggregation_is_fedavg():
@@ -344,6 +403,20 @@ def test_cli_train_extract(tmp_path, capsys):
     assert r["config"]["layers"] == [0] and not r["plain_transformers"]
     code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub"), "--json"])
     assert code == 2 and "already exists" in capsys.readouterr().err
+    # layer by layer: the same subnet of the trained folder, as the whole-model command wrote it
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub-lw"), "--json",
+                 "--layerwise", "--quiet"])
+    lw = json.loads(capsys.readouterr().out)
+    assert code == 0 and lw["layerwise"] and {k: lw[k] for k in r} == {**r, "out": str(tmp_path / "sub-lw")}
+    _same_subnet_folders(tmp_path / "sub", tmp_path / "sub-lw")
+    # refused, exit 2, nothing written: a model without files, a folder holding pruning masks
+    from mlpsurgery.methods.pruning import prune
+
+    pruned, _ = prune(load(tmp_path / "tw"), "magnitude", 0.5)
+    save(pruned, tmp_path / "pruned")
+    for src, why in (("tiny:llama", "no weight files"), (str(tmp_path / "pruned"), "pruning masks")):
+        code = main(["twist", "extract", src, "--keep", "1", "--layerwise", "--out", str(tmp_path / "x-lw")])
+        assert code == 2 and why in capsys.readouterr().err and not (tmp_path / "x-lw").exists()
     code = main(["twist", "train", "tiny:llama", "--out", str(tmp_path / "x"), "--workers", "3", "--blocks", "4",
                  "--keep", "1", "--shared-first", "0", "--shared-last", "0", "--data", str(text)])
     assert code == 2 and "cannot cover every block" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -14,7 +14,8 @@ from .adapters import lora_config, lora_targets
 from .capture import Capture, capture_mlp_io
 from .data import LabelledSet, TokenizedCorpus, load_corpus, read_corpus, read_labelled, text_blocks, tokenize_corpus
 from .errors import IntegrityError, MLPSurgeryError, NotExportableError, UnsupportedArchitectureError
-from .io import export, load, save, subset_model, to_stock
+from .io import export, load, save, to_stock
+from .subsets import subset_model
 from .measure.accuracy import accuracy, embed, probe_accuracy
 from .measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
 from .measure.ntk import adam_ntk, ntk_error, output_error

@@ -91,23 +91,45 @@ class LayerStream:
     """A transformers checkpoint held as a skeleton whose decoder (encoder) layers are read one at a time."""
 
     def __init__(self, folder: Path, dtype=None, task: str = "auto", max_memory_gb: float | None = None,
-                 spill_dir: Path | None = None, ckpt: LazyCheckpoint | None = None):
-        """ckpt: the folder's checkpoint, where the caller has already opened it (its headers are read once)."""
+                 spill_dir: Path | None = None, ckpt: LazyCheckpoint | None = None, verify: bool = True):
+        """ckpt: the folder's checkpoint, where the caller has already opened it (its headers are read once).
+        A folder mlpsurgery wrote is read as `io.load` reads it: its manifest checked (and, unless verify=False
+        because the caller just did, every file against its digest), the structure it records rebuilt (replaced
+        modules, narrowed layers), its dtype the default, its history and source carried; `self.manifest` holds it
+        (None for a stock checkpoint). One with pruning masks is refused (their buffers are not streamed)."""
         from accelerate import init_empty_weights
 
+        from .io import MANIFEST, WEIGHTS, read_manifest, rebuild, verify_files
         from .models import _model_class, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)
         self.ckpt = ckpt if ckpt is not None else LazyCheckpoint(self.folder)
         config = read_config(self.folder)
-        self.dtype = resolve_dtype(config, dtype)
-        klass = _model_class(config, task)
-        with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
-            build = getattr(klass, "_from_config", None) or klass.from_config
-            model = build(config, dtype=self.dtype)
+        self.manifest = read_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
+        if self.manifest is None:
+            self.dtype = resolve_dtype(config, dtype)
+            klass = _model_class(config, task)
+            with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
+                build = getattr(klass, "_from_config", None) or klass.from_config
+                model = build(config, dtype=self.dtype)
+            self._names = self._rename(model)
+        else:
+            manifest = self.manifest
+            if manifest.get("masks"):
+                raise MLPSurgeryError(f"{self.folder} holds pruning masks, which the layer-sequential mode does not "
+                                      "stream; drop --layerwise")
+            if verify:
+                verify_files(self.folder, manifest)
+            saved = getattr(torch, manifest.get("dtype", "float32"))
+            self.dtype = saved if dtype is None or dtype == "auto" else dtype
+            with init_empty_weights(include_buffers=False):  # as io.load rebuilds it, parameters on meta
+                model = rebuild(config, manifest["model_class"], manifest["modules"], weights=self.folder / WEIGHTS,
+                                dtype=self.dtype)
+            self._names = {k: k for k in self.ckpt.where}  # saved under the model's own names
+            model._mlpsurgery_history = manifest.get("history", [])
+            model._mlpsurgery_source = manifest.get("source")
         model.eval()
-        self._names = self._rename(model)
         if (self.folder / "generation_config.json").is_file():  # as from_pretrained reads it
             with contextlib.suppress(Exception):
                 from transformers import GenerationConfig
@@ -386,6 +408,7 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
         writer.close({"format": "pt", **stream.tied})
         for name in last:
             fp.add(name, state[name])
-        model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
+        if stream.manifest is None:  # (a folder mlpsurgery wrote carries its source: io.load keeps it)
+            model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
         if finish is not None:
             finish()

@@ -127,6 +127,8 @@ def run_extract(args) -> dict:
     from ..models import load_model
 
     _free_out(args.out, args.overwrite, [args.dir])
+    if args.layerwise:
+        return _extract_layerwise(args)
     stage(args, f"loading {args.dir}")
     loaded = load_model(args.dir)
     loaded.model.to(device_of(args))
@@ -143,6 +145,22 @@ def run_extract(args) -> dict:
             "subnet": entry["provenance"]["subnet"], "params_before": before["total"], "params_after": after["total"],
             "attention_params": [before["attention"], after["attention"]], "mlp_params": [before["mlp"], after["mlp"]],
             "plain_transformers": not replaced_modules(new)}
+
+
+def _extract_layerwise(args) -> dict:
+    """`twist extract --layerwise`: the folder read one decoder layer at a time (methods/twist/layerwise.py)."""
+    from ..io import read_manifest
+    from ..methods.twist.layerwise import extract_layerwise
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+    folder, _, _ = checkpoint_folder(args.dir, saved=True)
+    r = extract_layerwise(folder, args.out, keep=args.keep, blocks=args.blocks, parts=args.parts,
+                          attn_keep=args.attn_keep, shared_first=args.shared_first, shared_last=args.shared_last,
+                          seed=args.seed, rescale=not args.no_rescale, dtype=working_dtype(),
+                          tokenizer=_tokenizer(folder), overwrite=args.overwrite, inputs=[args.dir],
+                          progress=progress(args))
+    manifest = read_manifest(args.out)
+    return {"out": args.out, "from": args.dir, "seed": args.seed, **r, "plain_transformers": not manifest["modules"]}
 
 
 def render_extract(r: dict) -> str:
@@ -309,6 +327,9 @@ def register(sub, groups) -> None:
                    "--shared-last 0 give uniform widths: a plain transformers model)")
     p.add_argument("--shared-last", type=integer(0), help="last layers kept whole (default: as trained, else 2)")
     p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
+    p.add_argument("--layerwise", action="store_true",
+                   help="one decoder layer in memory at a time (read from the folder's weights file), the same "
+                        "subnet: for models larger than RAM")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(sub, "prune", run_prune, render_prune,

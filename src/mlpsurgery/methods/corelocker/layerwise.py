@@ -184,12 +184,8 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
     stage(f"checking the files of {locked} against its manifest", progress)
     verify_files(locked, manifest)
     map_large_allocations()
-    stream = LayerStream(locked, dtype=dtype if isinstance(dtype, torch.dtype) else
-                         getattr(torch, manifest.get("dtype", "float32")))
+    stream = LayerStream(locked, dtype=dtype if isinstance(dtype, torch.dtype) else None, verify=False)  # (just verified)
     model = stream.model
-    if type(model).__name__ != manifest.get("model_class"):
-        raise MLPSurgeryError(f"{locked}: config.json builds a {type(model).__name__}, its manifest records a "
-                              f"{manifest.get('model_class')}; drop --layerwise")
     if type(model).__name__ != key.header.get("model_class"):
         raise IntegrityError(f"{locked} holds a {type(model).__name__}, the key was made for a "
                              f"{key.header.get('model_class')}: this key does not belong to this model")
@@ -218,8 +214,6 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
     restore_entries({n: p for n, p in params.items() if not n.startswith(inside)}, key.positions, key.values)
     for n in resident:
         restored_h[n] = tensor_hash(n, state[n])
-    model._mlpsurgery_history = manifest.get("history", [])
-    model._mlpsurgery_source = manifest.get("source")
     stage("checking the key against the locked model, restoring, checking the original's fingerprint, layer by "
           "layer", progress)
     with streamed_save(model, out, tokenizer=_tokenizer(locked), overwrite=overwrite, inputs=[locked, key_path]) as tmp:

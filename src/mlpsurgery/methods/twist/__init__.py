@@ -38,7 +38,7 @@ central weights plus the round index, which is what a checkpoint holds. The lear
 within a round (the schedule, constant by default, is read at the round's first step).
 
 Deployment (`twist_extract`): one random subnet at kappa = X / R (C plus random blocks, seeded, no data),
-built as a physically smaller dense model through `mlpsurgery.io.subset_model`, the scale folded in.
+built as a physically smaller dense model through `mlpsurgery.subsets.subset_model`, the scale folded in.
 For attention, kappa maps to max(1, round(kappa * KV groups)) groups (SmolLM2: 3 groups, so 8/12 and
 6/12 keep 2 of 3, 4/12 and 3/12 keep 1 of 3) unless `attn_keep` says otherwise. Where the stock attention
 takes its head count from the config (GPT-2, OPT, Phi-3), a layer with fewer heads gets the registered

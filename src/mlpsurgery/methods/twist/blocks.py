@@ -78,7 +78,7 @@ class Layout:
                            for i in sorted(self.mlp_h)})
 
     def subset_args(self, subnet: Subnet) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-        """(KV groups per layer, inner neurons per layer) for `mlpsurgery.io.subset_model`."""
+        """(KV groups per layer, inner neurons per layer) for `mlpsurgery.subsets.subset_model`."""
         return dict(subnet.attn), {i: self.neurons(i, c).tolist() for i, c in subnet.mlp.items()}
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from ...io import history as method_history
-from ...io import record, subset_model
+from ...io import record
+from ...subsets import subset_model
 from ...sites import find_sites
 from .blocks import Layout, Subnet, make_layout
 from .config import TwISTConfig
@@ -39,12 +40,37 @@ def materialize(model: nn.Module, layout: Layout, subnet: Subnet, rescale: bool 
     whole in memory together; `model` is unusable after."""
     new = subset_model(model, *layout.subset_args(subnet), consume=consume)
     if rescale:
-        sites = find_sites(new)
-        for i in subnet.attn:
-            _scale_output(sites.attn[i], "o", "o_bias", layout.attn_scale(i))
-        for i in subnet.mlp:
-            _scale_output(sites.mlp[i], "down", "down_bias", layout.mlp_scale())
+        rescale_subnet(find_sites(new), layout, subnet)
     return new
+
+
+def deployment(model: nn.Module, keep: int, blocks: int | None = None, parts: str | None = None,
+               attn_keep: int | None = None, layers=None, shared_first: int | None = None,
+               shared_last: int | None = None, seed: int = 0) -> tuple[Layout, Subnet, dict]:
+    """The layout, the subnet `twist_extract` cuts out and the settings it records (shapes and the model's history
+    only: `model` may be a skeleton)."""
+    trained = trained_settings(model)
+    base = TwISTConfig(**{k: v for k, v in trained.items() if k in TwISTConfig.__dataclass_fields__})
+    blocks = blocks or base.blocks
+    parts = parts or base.parts
+    n_layers = len(find_sites(model))
+    if layers is None:
+        first = base.shared_first if shared_first is None else shared_first
+        last = base.shared_last if shared_last is None else shared_last
+        layers = list(range(first, n_layers - last))
+    layout = make_layout(model, parts, layers, blocks, keep, attn_keep, base.common_attn, base.common_ffn)
+    subnet = layout.deployment(torch.Generator().manual_seed(seed))
+    return layout, subnet, {"keep": keep, "blocks": blocks, "parts": parts, "attn_keep": attn_keep, "layers": layers}
+
+
+def rescale_subnet(sites, layout: Layout, subnet: Subnet, layers=None) -> None:
+    """sqrt(N_full/N_sub) folded into the output projections of the subnet's layers (of `layers` only, if given)."""
+    for i in subnet.attn:
+        if layers is None or i in layers:
+            _scale_output(sites.attn[i], "o", "o_bias", layout.attn_scale(i))
+    for i in subnet.mlp:
+        if layers is None or i in layers:
+            _scale_output(sites.mlp[i], "down", "down_bias", layout.mlp_scale())
 
 
 def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts: str | None = None,
@@ -58,21 +84,10 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
     holds C plus random blocks drawn with `seed`. Where every layer ends with the same widths the result is a
     stock transformers model; with shared layers kept whole it is saved and reloaded through mlpsurgery.save/load.
     consume=True: `model` is given up layer by layer as the subnet is built (`materialize`): the peak is about one
-    model, not the model and its subnet.
+    model, not the model and its subnet. The layer-sequential form, from the folder: `twist/layerwise.py`.
     """
-    trained = trained_settings(model)
-    base = TwISTConfig(**{k: v for k, v in trained.items() if k in TwISTConfig.__dataclass_fields__})
-    blocks = blocks or base.blocks
-    parts = parts or base.parts
-    n_layers = len(find_sites(model))
-    if layers is None:
-        first = base.shared_first if shared_first is None else shared_first
-        last = base.shared_last if shared_last is None else shared_last
-        layers = list(range(first, n_layers - last))
-    layout = make_layout(model, parts, layers, blocks, keep, attn_keep, base.common_attn, base.common_ffn)
-    subnet = layout.deployment(torch.Generator().manual_seed(seed))
+    layout, subnet, settings = deployment(model, keep, blocks, parts, attn_keep, layers, shared_first, shared_last,
+                                          seed)
     new = materialize(model, layout, subnet, rescale=rescale, consume=consume)
-    record(new, "twist-extract", {"keep": keep, "blocks": blocks, "parts": parts, "attn_keep": attn_keep,
-                                  "layers": layers, "rescale": rescale},
-           seed=seed, subnet=subnet.as_dict())
+    record(new, "twist-extract", {**settings, "rescale": rescale}, seed=seed, subnet=subnet.as_dict())
     return new

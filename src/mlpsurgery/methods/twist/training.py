@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ...errors import MLPSurgeryError
-from ...io import record, subset_model
+from ...io import record
+from ...subsets import subset_model
 from ...train import FitConfig, fit, save_checkpoint, step_rng, trainable
 from . import checkpoint
 from .aggregation import Aggregator, _params, fill_subnet, flatten, unflatten
