@@ -132,8 +132,12 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
         ("export (fused)", ["export", str(w / "fused"), *d, "--out", str(w / "exported")]),
         ("nest rank --rank 64 (of the nest row's folder)", ["nest", "rank", str(w / "nested"), *d, "--rank", "64",
                                                              "--out", str(w / "nested-r64")]),
+        ("nest rank --rank 64 --layerwise (of the nest row's folder)",
+         ["nest", "rank", str(w / "nested"), *d, "--rank", "64", "--layerwise", "--out", str(w / "nested-r64-lw")]),
         ("twist extract --keep 6 (of 12 MLP chunks)", ["twist", "extract", model, *d, "--keep", "6",
                                                        "--out", str(w / "twist-k6")]),
+        ("twist extract --keep 6 (of 12 MLP chunks) --layerwise", ["twist", "extract", model, *d, "--keep", "6",
+                                                                   "--layerwise", "--out", str(w / "twist-k6-lw")]),
     ]
 
 

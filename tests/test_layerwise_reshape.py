@@ -165,3 +165,58 @@ def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     assert main(["nest", str(src), "--layerwise", "--train-steps", "2", "--out", str(tmp_path / "x1")]) == 2
     assert main(["nest", "tiny:llama", "--layerwise", "--out", str(tmp_path / "x2")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2"))
+
+
+# ---- NSN rank export (nest rank --layerwise) ------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layerwise_rank_export_equals_whole_model_bit_for_bit(tmp_path, arch):
+    from mlpsurgery.layerwise import LayerStream
+    from mlpsurgery.methods.nsn import NSNConfig, export_rank, nest
+    from mlpsurgery.methods.nsn.layerwise import export_rank_layerwise
+
+    loaded = load_model(saved_checkpoint(tmp_path, arch))
+    nest(loaded.model, NSNConfig(max_rank=8, modules="mlp+attn", layers="all"))
+    save(loaded.model, tmp_path / "nested")
+    for form, how in (("lowrank", {"rank": 3}), ("nested", {"budget": 0.2})):
+        whole = export_rank(tmp_path / "nested", tmp_path / f"whole-{form}", form=form, **how)
+        lw = export_rank_layerwise(tmp_path / "nested", tmp_path / f"lw-{form}", form=form, progress=False, **how)
+        _same_folders(tmp_path / f"whole-{form}", tmp_path / f"lw-{form}",
+                      method="nsn-truncate" if form == "lowrank" else "nsn")
+        assert {k: lw[k] for k in whole if k != "out"} == {k: v for k, v in whole.items() if k != "out"}
+        assert lw["rank"] < 8
+        # truncated: fewer parameters; nested: every component kept, only the serving rank recorded
+        assert (lw["params_after"] < lw["params_before"]) == (form == "lowrank")
+    stream = LayerStream(tmp_path / "lw-lowrank")  # what it wrote streams too, at the rank it was cut to
+    assert {m.max_rank for m in stream.model.modules() if type(m).__name__ == "NestedLinear"} == {3}
+
+
+def test_cli_nest_rank_layerwise_and_its_refusals(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.io import export
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+    assert main(["nest", str(src), "--max-rank", "6", "--dtype", "auto", "--quiet", "--out", str(tmp_path / "n")]) == 0
+    capsys.readouterr()
+    common = ["nest", "rank", str(tmp_path / "n"), "--rank", "2", "--quiet", "--json"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["layerwise"] and lw["dtype"] == "bfloat16" and lw["params_after"] == whole["params_after"]
+    _same_folders(tmp_path / "whole", tmp_path / "lw", method="nsn-truncate")
+    assert (tmp_path / "lw" / "tokenizer_config.json").is_file()
+    # the dense form: lowrank layer by layer, then export, gives the whole-model command's dense weights
+    assert main([*common, "--form", "dense", "--out", str(tmp_path / "dense")]) == 0
+    export(tmp_path / "lw", tmp_path / "lw-dense")
+    a, b = load_file(tmp_path / "dense" / "model.safetensors"), load_file(tmp_path / "lw-dense" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # refused, exit 2, nothing written: --form dense, a folder with nothing nested
+    capsys.readouterr()
+    assert main([*common, "--form", "dense", "--layerwise", "--out", str(tmp_path / "x1")]) == 2
+    assert "mlpsurgery export" in capsys.readouterr().err
+    assert main(["nest", "rank", str(tmp_path / "lw-dense"), "--rank", "2", "--layerwise",
+                 "--out", str(tmp_path / "x2")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2"))

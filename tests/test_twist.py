@@ -252,6 +252,27 @@ def test_layerwise_uniform_subnet_in_bfloat16_is_a_plain_transformers_model(arch
     assert torch.equal(outputs(plain, ids), outputs(load(tmp_path / "whole"), ids))
 
 
+def test_cli_layerwise_extraction_of_a_stock_checkpoint_equals_the_whole_model_command(tmp_path, capsys):
+    """Any MODEL folder, not only a TwIST one: the source recorded is the checkpoint's, as the whole command's."""
+    from conftest import saved_checkpoint
+
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "gemma2", dtype=torch.bfloat16, shard="20KB", num_hidden_layers=4,
+                           layer_types=["sliding_attention", "full_attention"] * 2)
+    byte_tokenizer().save_pretrained(src)
+    common = ["twist", "extract", str(src), "--keep", "3", "--blocks", "4", "--shared-first", "1", "--dtype", "auto",
+              "--quiet", "--json"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["subnet"] == whole["subnet"] and lw["params_after"] == whole["params_after"] < whole["params_before"]
+    _same_subnet_folders(tmp_path / "whole", tmp_path / "lw")
+    assert json.loads((tmp_path / "lw" / "surgery.json").read_text())["source"]["name"] == src.name
+
+
 # ---- aggregation and training ----------------------------------------------------------------------
 
 def test_aggregation_is_fedavg():

@@ -13,6 +13,10 @@ read in, and materialises decoder layer i from the (sharded) safetensors files o
         acts = stream.run(i, acts)               # its outputs: the next layer's inputs
         writer.write_layer(...); stream.release(i)
 
+A folder mlpsurgery wrote is streamed as `io.load` reads it (manifest and file digests checked, the structure it
+records rebuilt on the meta device, its history and source carried), so commands that take such folders (`twist
+extract`, `nest rank`, `unlock`) have a layer-sequential mode too; one holding pruning masks is refused.
+
 Each layer is called exactly as the model's own forward calls it (the arguments are recorded once from a pass
 through the model with every layer a recorder), so a layer-sequential result equals the whole-model one bit
 for bit where the arithmetic is the same. The output is streamed into one safetensors file
@@ -100,13 +104,15 @@ class LayerStream:
         from accelerate import init_empty_weights
 
         from .io import MANIFEST, WEIGHTS, read_manifest, rebuild, verify_files
+        from .io import read_config as read_saved_config
         from .models import _model_class, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)
         self.ckpt = ckpt if ckpt is not None else LazyCheckpoint(self.folder)
-        config = read_config(self.folder)
         self.manifest = read_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
+        # (a saved folder's config as io.load reads it: the stock type, never the generated code it may carry)
+        config = read_config(self.folder) if self.manifest is None else read_saved_config(self.folder)
         if self.manifest is None:
             self.dtype = resolve_dtype(config, dtype)
             klass = _model_class(config, task)
@@ -374,9 +380,10 @@ class LayerStream:
 def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=None, overwrite: bool = False,
             inputs=(), source_name: str | None = None, progress: bool = True, finish=None) -> None:
     """Write `stream`'s model to `out` as `save` writes it, one decoder layer at a time: layer i is read, handed to
-    `work(i)` (which may replace its modules: the file takes the shapes it leaves), appended to the weights file
-    and released. The source fingerprint is the checkpoint's as read (what loading it whole records); `finish()`
-    runs on the skeleton, every layer done, before the manifest is written (the method records itself there)."""
+    `work(i)` (which may replace its modules, or put another layer in `stream.layers[i]`: the file takes the shapes
+    it leaves), appended to the weights file and released. The source fingerprint is the checkpoint's as read (what
+    loading it whole records), or for a folder mlpsurgery wrote the source its manifest records; `finish()` runs on
+    the skeleton, every layer done, before the manifest is written (the method records itself there)."""
     from tqdm.auto import tqdm
 
     from .files import Fingerprint

@@ -1,7 +1,7 @@
 """`mlpsurgery nest`: Nested Subspace Networks (one checkpoint, any compute budget at inference).
 
     mlpsurgery nest [MODEL] --out DIR [--max-rank R] [--modules mlp|mlp+attn] [--data PATH] [--train-steps N]
-    mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested]
+    mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested] [--layerwise]
     mlpsurgery nest sweep DIR [--data PATH] [--ranks r,r,...] [--plot PNG]
 
 Why one parser with a leading positional rather than argparse sub-commands: the default action takes an
@@ -27,7 +27,7 @@ ACTIONS = ("rank", "sweep")
 TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
               "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
               "seed", "checkpoint", "overwrite", "layerwise"}
-RANK_OPTS = {"out", "rank", "budget", "form", "overwrite"}
+RANK_OPTS = {"out", "rank", "budget", "form", "overwrite", "layerwise"}
 SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
 
 
@@ -64,6 +64,8 @@ def run_nest(args) -> dict:
             _check_options(args, parser, "rank", RANK_OPTS)
             if not args.out:
                 raise MLPSurgeryError("`nest rank` needs --out DIR")
+            if args.layerwise:
+                return {"action": "rank", **_rank_layerwise(args, folder)}
             stage(args, f"loading {folder}, fixing the rank ({args.form}), writing {args.out}")
             out = nsn.export_rank(folder, args.out, rank=args.rank, budget=args.budget, form=args.form,
                                   overwrite=args.overwrite)
@@ -122,6 +124,20 @@ def _nest_layerwise(args, cfg) -> dict:
     return {"action": "train", "model": source, **out}
 
 
+def _rank_layerwise(args, folder: str) -> dict:
+    """`nest rank --layerwise`: the nested folder read one decoder layer at a time (methods/nsn/layerwise.py)."""
+    from ..io import check_out
+    from ..methods.nsn.layerwise import export_rank_layerwise
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+    check_out(args.out, args.overwrite, inputs=[folder])
+    path, _, _ = checkpoint_folder(folder, saved=True)
+    stage(args, f"fixing the rank of {folder} ({args.form}) layer by layer into {args.out}")
+    return export_rank_layerwise(path, args.out, rank=args.rank, budget=args.budget, form=args.form,
+                                 dtype=working_dtype(), tokenizer=_tokenizer(path), overwrite=args.overwrite,
+                                 inputs=[folder], progress=progress(args))
+
+
 def _log_var(r: dict) -> str:
     """s_k beside its update count: a rank sampled less often stays nearer its start (0) whatever its loss."""
     upd = {int(k): v for k, v in (r.get("updates") or {}).items()}
@@ -164,7 +180,7 @@ def render(r: dict) -> str:
 
 
 USAGE = """mlpsurgery nest [MODEL] --out DIR [--max-rank R] [--modules mlp|mlp+attn] [--data PATH] [--train-steps N]
-       mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested]
+       mlpsurgery nest rank DIR (--rank r | --budget F) --out DIR [--form lowrank|dense|nested] [--layerwise]
        mlpsurgery nest sweep DIR [--data PATH] [--ranks r,r,...] [--plot PNG]"""
 
 
@@ -208,7 +224,8 @@ def register(sub, groups) -> None:
                                         "the save; rerun the same command to resume)")
     g.add_argument("--layerwise", action="store_true",
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
-                        "embeddings); the same folder as without it; no training (train the folder afterwards)")
+                        "embeddings); the same folder as without it; no training (train the folder afterwards). "
+                        "Also for `nest rank` (lowrank and nested forms)")
 
     g = p.add_argument_group("nest rank DIR")
     g.add_argument("--rank", type=integer(1), help="the rank to fix (each projection capped at its max rank)")

@@ -153,12 +153,12 @@ def _extract_layerwise(args) -> dict:
     from ..methods.twist.layerwise import extract_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
-    folder, _, _ = checkpoint_folder(args.dir, saved=True)
+    folder, _, name = checkpoint_folder(args.dir, saved=True)
     r = extract_layerwise(folder, args.out, keep=args.keep, blocks=args.blocks, parts=args.parts,
                           attn_keep=args.attn_keep, shared_first=args.shared_first, shared_last=args.shared_last,
                           seed=args.seed, rescale=not args.no_rescale, dtype=working_dtype(),
                           tokenizer=_tokenizer(folder), overwrite=args.overwrite, inputs=[args.dir],
-                          progress=progress(args))
+                          source_name=name, progress=progress(args))
     manifest = read_manifest(args.out)
     return {"out": args.out, "from": args.dir, "seed": args.seed, **r, "plain_transformers": not manifest["modules"]}
 

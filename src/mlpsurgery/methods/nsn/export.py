@@ -11,8 +11,8 @@ from ...modules.nested import NestedLinear
 from .surgery import _Slot, _require_nested, _slots
 
 
-def _nested_slots(model: nn.Module) -> list[_Slot]:
-    return [s for s in _slots(model) if isinstance(s.module, NestedLinear)]
+def _nested_slots(model: nn.Module, layers: list[int] | None = None) -> list[_Slot]:
+    return [s for s in _slots(model, layers=layers) if isinstance(s.module, NestedLinear)]
 
 
 def truncate(model: nn.Module) -> nn.Module:

@@ -1,8 +1,14 @@
-"""NSN surgery layer by layer from the checkpoint's files (layerwise.py): every chosen projection of one decoder
-layer at a time becomes its SVD-initialised NestedLinear (surgery.py's own `nest_slot`), is appended to the
-output and dropped, so a model larger than RAM is nested in the memory of one layer plus the embeddings. The
-folder holds what `nest` + `save` write without training (tests/test_layerwise_reshape.py checks it bit for bit);
-multi-rank training then runs on that folder as on any other (it needs the whole model, or FSDP under torchrun).
+"""NSN layer by layer from the files (layerwise.py).
+
+`nest_layerwise`: the surgery. Every chosen projection of one decoder layer at a time becomes its SVD-initialised
+NestedLinear (surgery.py's own `nest_slot`), is appended to the output and dropped, so a model larger than RAM is
+nested in the memory of one layer plus the embeddings. The folder holds what `nest` + `save` write without
+training (tests/test_layerwise_reshape.py checks it bit for bit); multi-rank training then runs on that folder as
+on any other (it needs the whole model, or FSDP under torchrun).
+
+`export_rank_layerwise`: `nest rank` on a nested folder. The rank is chosen on the skeleton (it depends on shapes
+alone), then each layer is read, its NestedLinears truncated to that rank (lowrank) or kept whole with the rank
+recorded (nested), and appended: the folder `nest rank` writes, without the full-rank nested model in memory.
 """
 
 from __future__ import annotations
@@ -10,9 +16,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from ...errors import MLPSurgeryError
 from ...io import record
 from ...layerwise import LayerStream, rewrite
+from ...measure.cost import count_params
 from ...sites import parse_layers
+from .export import _nested_slots
+from .pipeline import check_rank_args, choose_rank
 from .ranks import nested_flops
 from .surgery import NSNConfig, _slots, check_config, max_rank, nest_slot, nested_linears
 
@@ -40,3 +50,35 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
     return {"out": str(out), "config": asdict(cfg), "projections": len(nested_linears(model)),
             "max_rank": max_rank(model), "full_rank_flops_fraction": nested_flops(model)["fraction"],
             "layerwise": True, "dtype": str(stream.dtype).split(".")[-1]}
+
+
+def export_rank_layerwise(folder: str | Path, out: str | Path, rank: int | None = None, budget: float | None = None,
+                          form: str = "lowrank", dtype=None, tokenizer=None, overwrite: bool = False, inputs=(),
+                          progress: bool = True) -> dict:
+    """`export_rank` (pipeline.py) one decoder layer at a time: fix the rank of the nested folder `folder` and write
+    it to `out` as `lowrank` (truncated NestedLinears) or `nested` (every component, the rank recorded)."""
+    check_rank_args(rank, budget, form)
+    if form == "dense":
+        raise MLPSurgeryError("--form dense is a plain transformers folder, which the layer-sequential mode does not "
+                              "write: write --form lowrank --layerwise, then `mlpsurgery export` that folder (the same "
+                              "dense weights, folded a tensor at a time), or drop --layerwise")
+    stream = LayerStream(Path(folder), dtype=dtype)
+    model = stream.model
+    before = count_params(model)["total"]
+    chosen = choose_rank(model, rank, budget)
+    ranks = sorted({s.module.rank for s in _nested_slots(model)})
+
+    def work(i: int) -> None:
+        if form == "lowrank":
+            for s in _nested_slots(model, layers=[i]):
+                s.replace(s.module.truncated())
+
+    def finish() -> None:
+        if form == "lowrank":
+            record(model, "nsn-truncate", {"ranks": ranks})
+
+    rewrite(stream, out, work, f"rank {chosen['rank']} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
+            inputs=inputs, progress=progress, finish=finish)
+    return {"from": str(folder), "out": str(out), "form": form, "rank": chosen["rank"], "budget": budget,
+            "flops_fraction": chosen["fraction"], "params_before": before, "params_after": count_params(model)["total"],
+            "loads_with": "mlpsurgery.load", "layerwise": True, "dtype": str(stream.dtype).split(".")[-1]}

@@ -122,6 +122,22 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     return result
 
 
+def check_rank_args(rank: int | None, budget: float | None, form: str) -> None:
+    if (rank is None) == (budget is None):
+        raise MLPSurgeryError("give exactly one of --rank and --budget")
+    if form not in ("lowrank", "dense", "nested"):
+        raise MLPSurgeryError(f"form must be lowrank, dense or nested, not {form!r}")
+
+
+def choose_rank(model, rank: int | None, budget: float | None) -> dict:
+    """Set the nested model's rank (by value or FLOPs budget; shapes only, so `model` may be a skeleton); returns
+    the rank and the FLOPs fraction reached."""
+    if budget is not None:
+        return set_budget(model, budget)
+    set_rank(model, rank)
+    return {"rank": rank, **nested_flops(model)}
+
+
 def export_rank(folder: str | Path, out: str | Path, rank: int | None = None, budget: float | None = None,
                 form: str = "lowrank", overwrite: bool = False) -> dict:
     """Fix the rank of a nested model folder (by value or FLOPs budget) and write it as `lowrank` (truncated
@@ -132,18 +148,11 @@ def export_rank(folder: str | Path, out: str | Path, rank: int | None = None, bu
     from ...models import load_model
 
     check_out(out, overwrite, inputs=[folder])
-    if (rank is None) == (budget is None):
-        raise MLPSurgeryError("give exactly one of --rank and --budget")
-    if form not in ("lowrank", "dense", "nested"):
-        raise MLPSurgeryError(f"form must be lowrank, dense or nested, not {form!r}")
+    check_rank_args(rank, budget, form)
     loaded = load_model(folder)
     model = loaded.model
     before = count_params(model)["total"]
-    if budget is not None:
-        chosen = set_budget(model, budget)
-    else:
-        set_rank(model, rank)
-        chosen = {"rank": rank, **nested_flops(model)}
+    chosen = choose_rank(model, rank, budget)
     if form == "lowrank":
         truncate(model)
     elif form == "dense":

@@ -27,7 +27,8 @@ from .extraction import deployment, rescale_subnet
 def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: int | None = None,
                       parts: str | None = None, attn_keep: int | None = None, shared_first: int | None = None,
                       shared_last: int | None = None, seed: int = 0, rescale: bool = True, dtype=None,
-                      tokenizer=None, overwrite: bool = False, inputs=(), progress: bool = True) -> dict:
+                      tokenizer=None, overwrite: bool = False, inputs=(), source_name: str | None = None,
+                      progress: bool = True) -> dict:
     """Cut the subnet of `seed` out of the TwIST folder `folder` into `out`, layer by layer; returns the subnet,
     the recorded settings and the parameter counts before and after."""
     stream = LayerStream(Path(folder), dtype=dtype)
@@ -69,7 +70,7 @@ def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: in
         record(model, "twist-extract", {**settings, "rescale": rescale}, seed=seed, subnet=subnet.as_dict())
 
     rewrite(stream, out, work, f"subnet of seed {seed} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
-            inputs=inputs, progress=progress, finish=finish)
+            inputs=inputs, source_name=source_name, progress=progress, finish=finish)
     after = count_params(model)
     entry = model._mlpsurgery_history[-1]
     return {"config": entry["config"], "subnet": entry["provenance"]["subnet"], "params_before": before["total"],
