@@ -126,6 +126,12 @@ def subset_skeleton(model: nn.Module, plan: SubsetPlan, empty: bool = False) -> 
     spec = plan.sites.spec
     new_sites = find_sites(new)
     new_path = {id(m): p for p, m in new.named_modules()}
+    with no_init_weights():  # (the narrower projections are written next: initialising them would touch their
+        _narrow_attention(new, new_sites, new_path, plan, spec)  # memory before the source's is given up)
+    return new
+
+
+def _narrow_attention(new: nn.Module, new_sites, new_path: dict, plan: SubsetPlan, spec) -> None:
     for i, g in plan.groups.items():
         site = new_sites.attn[i]
         if site.n_kv != len(g) and spec.narrow_attn:  # the stock attention would split by the config's count
@@ -144,19 +150,20 @@ def subset_skeleton(model: nn.Module, plan: SubsetPlan, empty: bool = False) -> 
                     fan_out = fan_out // n_kv * len(g)
                 site.replace_linear(role, nn.Linear(fan_in, fan_out, bias=mod.bias is not None,
                                                     device=mod.weight.device, dtype=mod.weight.dtype))
-    return new
 
 
-def fill_layer(plan: SubsetPlan, new_sites, i: int, attention: bool = True, consume: bool = False) -> None:
-    """Write layer i's kept KV groups and MLP neurons from the source's sites into the result's (attention=False:
-    the MLP only, where a skeleton has no values to move). consume=True: the source layer's tensors are released."""
+def fill_layer(plan: SubsetPlan, new_sites, i: int, attention: bool = True, mlp: bool = True,
+               consume: bool = False) -> None:
+    """Write layer i's kept KV groups (attention=True) and MLP neurons (mlp=True) from the source's sites into the
+    result's. consume=True: the source layer's tensors that were read are released."""
     if attention:
         new_sites.attn[i].write(plan.sites.attn[i].read().select_groups(plan.groups[i]))
-    if consume:
-        _release(plan.sites.attn[i].projections())
-    new_sites.mlp[i].write(plan.sites.mlp[i].read().select(plan.neurons[i]))
-    if consume:
-        _release(plan.sites.mlp[i].modules())
+        if consume:
+            _release(plan.sites.attn[i].projections())
+    if mlp:
+        new_sites.mlp[i].write(plan.sites.mlp[i].read().select(plan.neurons[i]))
+        if consume:
+            _release(plan.sites.mlp[i].modules())
 
 
 def carry_over(model: nn.Module, new: nn.Module) -> None:
@@ -195,9 +202,12 @@ def subset_model(model: nn.Module, attn_groups: dict[int, Any] | None = None,
                 v.copy_(src_state[k])
     del src_state  # (its references would keep every released tensor alive)
     new_sites = find_sites(new)
-    # (a skeleton has no values to move, nor can meta group indices be read)
-    values = next(model.parameters()).device.type != "meta"
+    # every attention, then every MLP (of a consumed model, so released: measured lower than layer by layer, where
+    # the freed attention and MLP tensors interleave in the heap); a skeleton has no attention values to move
+    if next(model.parameters()).device.type != "meta":
+        for i in range(len(new_sites)):
+            fill_layer(plan, new_sites, i, mlp=False, consume=consume)
     for i in range(len(new_sites)):
-        fill_layer(plan, new_sites, i, attention=values, consume=consume)
+        fill_layer(plan, new_sites, i, attention=False, consume=consume)
     carry_over(model, new)
     return new
