@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -236,6 +238,48 @@ def test_attack_suite_runs_every_attack_and_reverse_distillation_recovers_a_dens
                                                                  + cost["original_seconds"])
     assert dl.plot_attack_suite(suite, tmp_path / "attacks.png") is None and (tmp_path / "attacks.png").stat().st_size
     # a rerun resumes from the per-attack files instead of training again
+    again = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
+                            progress=False)
+    assert again["attacks"] == suite["attacks"] and again["reverse"] == suite["reverse"]
+
+
+def test_reverse_distillation_of_every_layer_is_then_fine_tuned_as_a_dense_model(tmp_path):
+    """The attacker's cheapest route measured end to end: every DLR-Net distilled back into the original MLP shape,
+    installed in the locked model's place, and the dense model fine-tuned; its cost starts after the distillation."""
+    original, locked = tiny_model("llama"), tiny_model("llama")
+    dlr_lock(locked, blocks(), blocks(8, seed=1), small_cfg(phase1_steps=20, phase2_steps=0), tmp_path / "w",
+             progress=False)
+    cfg = dl.AttackSuiteConfig(steps=3, batch=2, eval_every=3, attacks=("finetune", "reverse"), lrs=(1e-4,),
+                               reverse_steps=40)
+    suite = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
+                            progress=False)
+    rev = suite["reverse"]
+    assert rev["layers"] == [0, 1] and rev["locked_layers"] == 2
+    run = next(r for r in suite["attacks"] if r["name"] == "reverse-distilled locked")
+    assert run["offset_seconds"] == rev["seconds"] and run["family"].startswith("reverse distillation")
+    # the installed sub-blocks are what was trained: the dense model's layer computes x + MLP(norm(x) * scale)
+    from safetensors.torch import load_file
+
+    from mlpsurgery.modules.dense import DenseMLP
+    from mlpsurgery.modules.dlr import rms_norm
+
+    parts = load_file(tmp_path / "attacks" / "reverse_distilled.safetensors")
+    dense = dl.install_reversed(copy.deepcopy(locked), [0, 1], parts)
+    assert not any(isinstance(m, DLRNet) for m in dense.modules())
+    x = torch.randn(5, locked.config.hidden_size)
+    mlp = DenseMLP(locked.config.hidden_size, locked.config.intermediate_size, "silu", True)
+    mlp.load_state_dict({k[len("mlp.1."):]: v for k, v in parts.items() if k.startswith("mlp.1.")})
+    with torch.no_grad():
+        assert torch.allclose(find_sites(dense).mlp[1].subblock(x), mlp(rms_norm(x, 1e-6) * parts["norms"][1]))
+    with pytest.raises(MLPSurgeryError, match="no DLR-Net"):
+        dl.install_reversed(dense, [0], parts)
+    cost = dl.adaptation_costs(suite)
+    routes = {r["route"]: r for r in cost["routes"]}
+    assert run["family"] in routes and not any("estimated" in r for r in routes)  # measured, not estimated
+    got = routes[run["family"]]
+    spent = run["history"][-1]["time_s"] + rev["seconds"]
+    assert got["locked_seconds"] is not None or got["at_least"] == pytest.approx(spent)
+    # a rerun reads the distilled sub-blocks and the run back instead of training again
     again = dl.attack_suite(original, locked, blocks(32, seed=3), blocks(4, seed=4), cfg, tmp_path / "attacks",
                             progress=False)
     assert again["attacks"] == suite["attacks"] and again["reverse"] == suite["reverse"]
@@ -519,6 +563,14 @@ def test_adaptation_cost_is_the_first_time_each_route_reaches_the_originals_fine
     rev = c["routes"][-1]
     assert rev["locked_seconds"] == 120.0 and rev["factor"] == 6.0  # 100 s to distil back + 20 s as the original
     assert c["cheapest_route"] == "ft" and c["amplification"] == 3.0 and c["defender_seconds"] == 500.0
+    # measured end to end: the dense model's run starts after the 100 s of distillation, and replaces the estimate
+    measured = {**suite, "attacks": suite["attacks"] + [
+        {**run("reverse-distilled locked", "rev", [(0, 5.0), (10, 3.0)], 10), "offset_seconds": 100.0},
+        {**run("slow reverse-distilled locked", "rev2", [(0, 5.0), (30, 4.0)], 30), "offset_seconds": 100.0}]}
+    m = {r["route"]: r for r in dl.adaptation_costs(measured)["routes"]}
+    assert m["rev"]["locked_seconds"] == 110.0 and m["rev"]["factor"] == 5.5
+    assert m["rev2"]["locked_seconds"] is None and m["rev2"]["at_least"] == 130.0
+    assert not any(r == "reverse distillation" for r in (x["run"] for x in m.values()))
     with pytest.raises(MLPSurgeryError, match="both"):
         dl.adaptation_costs({"attacks": suite["attacks"][2:], "reverse": None})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import time
 from pathlib import Path
@@ -199,6 +201,18 @@ def run_attack(args) -> dict:
             "locked": args.locked, "original": original_spec}
 
 
+def _all_or_count(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes all or a positive integer, not {text!r}")
+    return n
+
+
 def _seconds(v) -> str:
     return "-" if v is None else f"{v:.0f} s"
 
@@ -207,10 +221,14 @@ def render_attack(r: dict) -> str:
     lines = [table(r["table"])]
     rev = r["reverse"]
     if rev:
+        errors = list(rev["relative_error"].values())
+        whole = len(rev["layers"]) == rev["locked_layers"]
         lines.append(f"reverse distillation: {rev['steps']} steps on {len(rev['layers'])} layers took "
-                     f"{rev['seconds']:.0f} s ({rev['seconds_per_layer']:.0f} s per layer; about "
-                     f"{rev['estimated_seconds_all_layers']:.0f} s for all {rev['locked_layers']} locked layers), "
-                     f"relative error reached {', '.join(f'{v:.3f}' for v in rev['relative_error'].values())}")
+                     f"{rev['seconds']:.0f} s ({rev['seconds_per_layer']:.1f} s per layer"
+                     + ("; every locked layer, the dense model then fine-tuned" if whole else
+                        f"; about {rev['estimated_seconds_all_layers']:.0f} s for all {rev['locked_layers']} locked "
+                        "layers") + f"), relative error reached {min(errors):.3f}-{max(errors):.3f} "
+                     f"(mean {sum(errors) / len(errors):.3f})")
     cost = r.get("adaptation")
     if cost:
         lines += ["", f"adaptation cost to reach the original's fine-tuned held-out loss {cost['target_loss']:.3f} "
@@ -299,6 +317,9 @@ def register(sub, groups) -> None:
     p.add_argument("--train-blocks", type=integer(1), default=512)
     p.add_argument("--eval-blocks", type=integer(1), default=16)
     p.add_argument("--lora-rank", type=integer(1), default=8)
-    p.add_argument("--reverse-layers", type=integer(0), default=2)
+    p.add_argument("--reverse-layers", type=_all_or_count, default=None, metavar="all|N",
+                   help="DLR-Nets the attacker distils back into dense MLPs (all: every one, and the dense model is "
+                        "then fine-tuned as the original, the route measured end to end; N: the first N, and the "
+                        "route is estimated from their time); default all")
     p.add_argument("--reverse-steps", type=integer(1), default=200)
     p.add_argument("--seed", type=integer(0), default=0)

@@ -23,8 +23,8 @@ Everything intermediate lives in a work folder (capture, checkpoints, teacher ta
 resumes where it stopped and nothing finished is recomputed.
 """
 
-from .attacks import (AttackSuiteConfig, ReverseResult, adaptation_costs, attack_suite, attack_table, plot_attack_suite,
-                      reverse_distill)
+from .attacks import (AttackSuiteConfig, ReversedSubblock, ReverseResult, adaptation_costs, attack_suite, attack_table,
+                      install_reversed, plot_attack_suite, reverse_distill)
 from .captured import capture_batch, split_chunks
 from .config import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig, DLRReport, plan, rank_for_depth
 from .cost import activation_memory_model, inference_times, locked_like
@@ -34,7 +34,8 @@ from .losses import relative_error, token_relative_error, topk_kl
 from .modulewise import phase1
 
 __all__ = ["AttackSuiteConfig", "DLRConfig", "DLRReport", "PHASE1_LOSSES", "PHASE1_STARTS", "ReverseResult",
+           "ReversedSubblock",
            "activation_memory_model", "adaptation_costs", "attack_suite", "attack_table", "capture_batch", "dlr_lock",
-           "dlr_parameters", "inference_times", "install", "locked_like", "module_errors", "phase1", "phase2", "plan",
+           "dlr_parameters", "inference_times", "install", "install_reversed", "locked_like", "module_errors", "phase1", "phase2", "plan",
            "plot_attack_suite", "rank_for_depth", "relative_error", "reverse_distill", "split_chunks", "teacher_targets",
            "token_relative_error", "topk_kl"]
