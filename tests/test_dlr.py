@@ -436,6 +436,7 @@ def test_cli_lock_and_attack_never_delete_or_reuse_what_they_should_not(tmp_path
               "--quiet"]
     assert main(attack + ["--steps", "2"]) == 0
     capsys.readouterr()
+    assert (tmp_path / "att" / "adaptation.png").stat().st_size and (tmp_path / "att" / "adaptation.json").is_file()
     assert main(attack + ["--steps", "3"]) == 2
     assert "other settings" in capsys.readouterr().err
 

@@ -152,8 +152,8 @@ def test_a_class_keeping_modules_in_float32_is_left_to_transformers(tmp_path, mo
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma2", "phi3"])
-def test_a_saved_bfloat16_folder_loads_as_transformers_loads_the_same_weights(tmp_path, arch):
-    """`load` builds the saved model in its dtype as transformers does: buffers transformers computes in float32
+def test_a_saved_folder_loads_in_bfloat16_as_transformers_loads_the_same_weights(tmp_path, arch):
+    """`load` (and `load_model` asked for another dtype) builds the saved model in its dtype as transformers does: buffers transformers computes in float32
     (the rotary frequencies) stay float32, so the loaded model's outputs are from_pretrained's bit for bit (they
     were cast to bfloat16 with the weights, which moved every rotary position's angle)."""
     from transformers import AutoModel
@@ -161,9 +161,11 @@ def test_a_saved_bfloat16_folder_loads_as_transformers_loads_the_same_weights(tm
     tiny_model(arch).save_pretrained(tmp_path / "hf")
     ref = AutoModel.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
     ms.save(ref, tmp_path / "ours")
-    got = ms.load(tmp_path / "ours")
-    fp32 = {n for n, b in ref.named_buffers() if b.dtype == torch.float32}
-    assert {n for n, b in got.named_buffers() if b.dtype == torch.float32} == fp32
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+    ms.save(AutoModel.from_pretrained(tmp_path / "hf"), tmp_path / "ours-f32")  # asked for in bfloat16 below
+    for got in (ms.load(tmp_path / "ours"), load_model(tmp_path / "ours-f32", dtype=torch.bfloat16).model):
+        fp32 = {n for n, b in ref.named_buffers() if b.dtype == torch.float32}
+        assert {n for n, b in got.named_buffers() if b.dtype == torch.float32} == fp32
+        assert {p.dtype for p in got.parameters()} == {torch.bfloat16}
+        ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(got(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)

@@ -442,8 +442,9 @@ def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]
     return missing, unexpected
 
 
-def load(folder: str | Path, verify: bool = True) -> nn.Module:
-    """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights."""
+def load(folder: str | Path, verify: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights, built in
+    `dtype` (default: the dtype it was saved in) as transformers builds a model in a dtype."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     weights = folder / WEIGHTS
@@ -453,7 +454,7 @@ def load(folder: str | Path, verify: bool = True) -> nn.Module:
         verify_files(folder, manifest)
     config = read_config(folder)
     model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights,
-                    dtype=getattr(torch, manifest.get("dtype", "float32")))
+                    dtype=dtype or getattr(torch, manifest.get("dtype", "float32")))
     try:
         missing, unexpected = load_weights(model, weights)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches

@@ -392,9 +392,11 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
     model = stream.model
     model._mlpsurgery_path = str(stream.folder)
     first, last = stream.outside_names()
-    fp = Fingerprint(model)
+    # the source's fingerprint, of a stock checkpoint only (a folder mlpsurgery wrote carries its source: io.load
+    # keeps it): every tensor hashed as it is read
+    fp = Fingerprint(model) if stream.manifest is None else None
     state = model.state_dict()
-    for name in first:
+    for name in first if fp is not None else ():
         fp.add(name, state[name])
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsAppender(tmp / WEIGHTS, header_reserve(stream.layout()))
@@ -403,7 +405,7 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
                 writer.write(name, t)
             for i in tqdm(range(stream.n_layers), desc=desc, unit="layer", disable=not progress):
                 stream.materialise(i)
-                for name, t in stream.layer_state(i).items():
+                for name, t in stream.layer_state(i).items() if fp is not None else ():
                     fp.add(name, t)
                 work(i)
                 for name, t in stream.layer_state(i).items():
@@ -413,9 +415,9 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
             writer.abandon()  # the temporary folder goes with it
             raise
         writer.close({"format": "pt", **stream.tied})
-        for name in last:
-            fp.add(name, state[name])
-        if stream.manifest is None:  # (a folder mlpsurgery wrote carries its source: io.load keeps it)
+        if fp is not None:
+            for name in last:
+                fp.add(name, state[name])
             model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
         if finish is not None:
             finish()

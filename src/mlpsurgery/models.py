@@ -286,10 +286,8 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     if (folder / "surgery.json").exists():
         from .io import load
 
-        model = load(folder)
-        if isinstance(dtype, torch.dtype):
-            model.to(dtype)
-        return Loaded(model, _tokenizer(folder), source)
+        model = load(folder, dtype=dtype if isinstance(dtype, torch.dtype) else None)  # (built in it, not cast:
+        return Loaded(model, _tokenizer(folder), source)  # the buffers transformers keeps in float32 stay float32)
     config = read_config(folder)
     klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}

@@ -150,7 +150,8 @@ def run_attack(args) -> dict:
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, write_text
     from ..io import check_source, history, source_spec
-    from ..methods.dlr_lock import AttackSuiteConfig, adaptation_costs, attack_suite, attack_table, plot_attack_suite
+    from ..methods.dlr_lock import (AttackSuiteConfig, adaptation_costs, attack_suite, attack_table, plot_adaptation,
+                                    plot_attack_suite)
     from ..models import check_context, load_model
 
     try:
@@ -197,6 +198,9 @@ def run_attack(args) -> dict:
     write_text(out / "attacks.md", table(rows, markdown=True) + "\n")
     write_text(out / "suite.json", json.dumps(suite))
     plot = draw("attack", lambda: plot_attack_suite(suite, out / "attacks.png") or out / "attacks.png")
+    if costs is not None:
+        costs["plot"] = draw("adaptation", lambda: plot_adaptation(suite, costs, out / "adaptation.png")
+                             or out / "adaptation.png")
     return {"table": rows, "reverse": suite["reverse"], "adaptation": costs, "plot": plot, "out": str(out),
             "locked": args.locked, "original": original_spec}
 
@@ -240,6 +244,8 @@ def render_attack(r: dict) -> str:
                             for c in cost["routes"]]))
         if cost["defender_seconds"]:
             lines.append(f"defender's one-off distillation: {cost['defender_seconds']:.0f} s")
+        if cost.get("plot"):
+            lines.append(f"held-out loss vs the attacker's seconds, every route: {cost['plot']}")
     if r.get("plot"):
         lines.append(f"plot: {r['plot']}")
     return "\n".join(lines)

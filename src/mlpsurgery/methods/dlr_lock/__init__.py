@@ -24,7 +24,7 @@ resumes where it stopped and nothing finished is recomputed.
 """
 
 from .attacks import (AttackSuiteConfig, ReversedSubblock, ReverseResult, adaptation_costs, attack_suite, attack_table,
-                      install_reversed, plot_attack_suite, reverse_distill)
+                      install_reversed, plot_adaptation, plot_attack_suite, reverse_distill)
 from .captured import capture_batch, split_chunks
 from .config import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig, DLRReport, plan, rank_for_depth
 from .cost import activation_memory_model, inference_times, locked_like
@@ -37,5 +37,5 @@ __all__ = ["AttackSuiteConfig", "DLRConfig", "DLRReport", "PHASE1_LOSSES", "PHAS
            "ReversedSubblock",
            "activation_memory_model", "adaptation_costs", "attack_suite", "attack_table", "capture_batch", "dlr_lock",
            "dlr_parameters", "inference_times", "install", "install_reversed", "locked_like", "module_errors", "phase1", "phase2", "plan",
-           "plot_attack_suite", "rank_for_depth", "relative_error", "reverse_distill", "split_chunks", "teacher_targets",
+           "plot_adaptation", "plot_attack_suite", "rank_for_depth", "relative_error", "reverse_distill", "split_chunks", "teacher_targets",
            "token_relative_error", "topk_kl"]

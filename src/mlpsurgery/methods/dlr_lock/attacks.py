@@ -361,3 +361,37 @@ def plot_attack_suite(suite: dict, path: str | Path) -> None:
     fig.suptitle("Fine-tuning attacks on the DLR-locked model (red) and the original (blue); x: diverged",
                  fontsize=10)
     save_figure(fig, path)
+
+
+def plot_adaptation(suite: dict, costs: dict, path: str | Path) -> None:
+    """Held-out loss against the attacker's seconds (a run's `offset_seconds` included: the reverse route starts
+    after its distillation), every run of the suite, locked routes red, the original blue, the target (the
+    original's fine-tuned loss) dashed: where a curve crosses it is that route's adaptation cost."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10.5, 5.2))
+    for r in suite["attacks"]:
+        ev = [e for e in r["eval"] if e["loss"] == e["loss"]]
+        if not ev:
+            continue
+        off = r.get("offset_seconds", 0.0)
+        locked = r["name"].endswith("locked")
+        ax.plot([e["time_s"] + off for e in ev], [e["loss"] for e in ev], marker="o", markersize=3,
+                color="tab:red" if locked else "tab:blue", alpha=0.9 if "reverse" in r["name"] else 0.55,
+                linestyle=":" if "reverse" in r["name"] else "-", label=r["name"])
+        if off:
+            ax.axvspan(0, off, color="tab:red", alpha=0.06)
+            ax.text(off / 2, 0.03, "reverse distillation", transform=ax.get_xaxis_transform(), ha="center",
+                    fontsize=7)
+    ax.axhline(costs["target_loss"], color="black", linestyle="--", linewidth=1,
+               label=f"target: the original's fine-tuned loss {costs['target_loss']:.3f}")
+    ax.set_xlabel("attacker's training seconds")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title("Adaptation cost: held-out loss vs the attacker's seconds, locked (red) and original (blue)",
+                 fontsize=9)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save_figure(fig, path)
+
