@@ -14,8 +14,8 @@ read in, and materialises decoder layer i from the (sharded) safetensors files o
         writer.write_layer(...); stream.release(i)
 
 A folder mlpsurgery wrote is streamed as `io.load` reads it (manifest and file digests checked, the structure it
-records rebuilt on the meta device, its history and source carried), so commands that take such folders (`twist
-extract`, `nest rank`, `unlock`) have a layer-sequential mode too; one holding pruning masks is refused.
+records rebuilt on the meta device, its history and source carried), so the layer-by-layer commands chain (one's
+output is the next one's input); a folder holding pruning masks is refused.
 
 Each layer is called exactly as the model's own forward calls it (the arguments are recorded once from a pass
 through the model with every layer a recorder), so a layer-sequential result equals the whole-model one bit
@@ -373,6 +373,26 @@ class LayerStream:
         return {n: t for n, t in self.model.state_dict().items() if not n.startswith(inside) and n not in self.tied}
 
 
+class SourceRecord:
+    """The source a layer-by-layer output records. A stock checkpoint's is its fingerprint, fed with every tensor in
+    state-dict order as it is read (what loading it whole records); a folder mlpsurgery wrote carries the source its
+    manifest records (`LayerStream` set it), so nothing is hashed."""
+
+    def __init__(self, stream: LayerStream, source_name: str | None = None):
+        from .files import Fingerprint
+
+        self.stream, self.name = stream, source_name or stream.folder.name
+        self.fp = Fingerprint(stream.model) if stream.manifest is None else None
+
+    def add(self, name: str, t: Tensor) -> None:
+        if self.fp is not None:
+            self.fp.add(name, t)
+
+    def record(self) -> None:
+        if self.fp is not None:
+            self.stream.model._mlpsurgery_source = {"name": self.name, "fingerprint": self.fp.hexdigest()}
+
+
 # --------------------------------------------------------------------------------------------------
 # A method that rewrites the model one layer at a time
 
@@ -386,18 +406,15 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
     the skeleton, every layer done, before the manifest is written (the method records itself there)."""
     from tqdm.auto import tqdm
 
-    from .files import Fingerprint
     from .io import WEIGHTS, streamed_save
 
     model = stream.model
     model._mlpsurgery_path = str(stream.folder)
     first, last = stream.outside_names()
-    # the source's fingerprint, of a stock checkpoint only (a folder mlpsurgery wrote carries its source: io.load
-    # keeps it): every tensor hashed as it is read
-    fp = Fingerprint(model) if stream.manifest is None else None
+    source = SourceRecord(stream, source_name)
     state = model.state_dict()
-    for name in first if fp is not None else ():
-        fp.add(name, state[name])
+    for name in first:
+        source.add(name, state[name])
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsAppender(tmp / WEIGHTS, header_reserve(stream.layout()))
         try:
@@ -405,8 +422,8 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
                 writer.write(name, t)
             for i in tqdm(range(stream.n_layers), desc=desc, unit="layer", disable=not progress):
                 stream.materialise(i)
-                for name, t in stream.layer_state(i).items() if fp is not None else ():
-                    fp.add(name, t)
+                for name, t in stream.layer_state(i).items():
+                    source.add(name, t)
                 work(i)
                 for name, t in stream.layer_state(i).items():
                     writer.write(name, t)
@@ -415,9 +432,8 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
             writer.abandon()  # the temporary folder goes with it
             raise
         writer.close({"format": "pt", **stream.tied})
-        if fp is not None:
-            for name in last:
-                fp.add(name, state[name])
-            model._mlpsurgery_source = {"name": source_name or stream.folder.name, "fingerprint": fp.hexdigest()}
+        for name in last:
+            source.add(name, state[name])
+        source.record()
         if finish is not None:
             finish()

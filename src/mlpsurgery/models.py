@@ -236,19 +236,15 @@ def source_name(text: str) -> str:
     return text if text in ("smollm2", "minilm") else Path(text).name
 
 
-def checkpoint_folder(spec: str | os.PathLike | None = None, saved: bool = False) -> tuple[Path, str, str]:
-    """The stock transformers folder MODEL names, a readable source and the name `load_model` records for it, for
-    the layer-sequential mode, which reads the weight files itself; a tiny model (no files) is refused, and so is a
-    folder mlpsurgery wrote unless saved=True (the command streams such folders: LayerStream rebuilds their
-    structure)."""
+def checkpoint_folder(spec: str | os.PathLike | None = None) -> tuple[Path, str, str]:
+    """The folder MODEL names, a readable source and the name `load_model` records for it, for the layer-sequential
+    mode, which reads the weight files itself (a stock checkpoint, or a folder mlpsurgery wrote: LayerStream
+    rebuilds its structure and carries its history and source); a tiny model (no files) is refused."""
     text = DEFAULT_MODEL if spec is None else str(spec)
     if text.startswith("tiny:"):
         raise MLPSurgeryError(f"{text} has no weight files to read layer by layer; save it first "
                               "(model.save_pretrained(folder)) or drop --layerwise")
     folder, source = _resolve(text)
-    if (folder / "surgery.json").exists() and not saved:
-        raise MLPSurgeryError(f"{folder} was written by mlpsurgery (its structure is replayed on load, which the "
-                              "layer-sequential mode does not do); drop --layerwise, or run on the original model")
     return folder, source, source_name(text)
 
 

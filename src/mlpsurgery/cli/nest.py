@@ -131,7 +131,7 @@ def _rank_layerwise(args, folder: str) -> dict:
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
     check_out(args.out, args.overwrite, inputs=[folder])
-    path, _, _ = checkpoint_folder(folder, saved=True)
+    path, _, _ = checkpoint_folder(folder)
     stage(args, f"fixing the rank of {folder} ({args.form}) layer by layer into {args.out}")
     return export_rank_layerwise(path, args.out, rank=args.rank, budget=args.budget, form=args.form,
                                  dtype=working_dtype(), tokenizer=_tokenizer(path), overwrite=args.overwrite,

@@ -153,7 +153,7 @@ def _extract_layerwise(args) -> dict:
     from ..methods.twist.layerwise import extract_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
-    folder, _, name = checkpoint_folder(args.dir, saved=True)
+    folder, _, name = checkpoint_folder(args.dir)
     r = extract_layerwise(folder, args.out, keep=args.keep, blocks=args.blocks, parts=args.parts,
                           attn_keep=args.attn_keep, shared_first=args.shared_first, shared_last=args.shared_last,
                           seed=args.seed, rescale=not args.no_rescale, dtype=working_dtype(),
@@ -216,6 +216,8 @@ def _prune_layerwise(args, pattern) -> dict:
     """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py)."""
     from ..data import load_corpus
     from ..methods.pruning_layerwise import METHODS, prune_layerwise
+    from ..io import MANIFEST
+    from ..io import read_config as read_saved_config
     from ..models import _tokenizer, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 
@@ -223,7 +225,9 @@ def _prune_layerwise(args, pattern) -> dict:
         raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS)}, not {args.method} (it removes whole "
                               "blocks, changing shapes): drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
-    layers = parse_layers(args.layers, read_config(folder).num_hidden_layers) if args.layers else None
+    # (all layers named, as the whole-model command records them; a saved folder's config read as io.load reads it)
+    config = read_saved_config(folder) if (folder / MANIFEST).exists() else read_config(folder)
+    layers = parse_layers(args.layers, config.num_hidden_layers)
     tokenizer = _tokenizer(folder)
     blocks = None
     if args.method in ("wanda", "sparsegpt"):
@@ -236,7 +240,7 @@ def _prune_layerwise(args, pattern) -> dict:
                              data=blocks, pattern=pattern, dtype=working_dtype(), max_memory_gb=args.max_memory,
                              tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data],
                              source_name=name, progress=progress(args))
-    res = {**report, "out": args.out, "model": source, "layers": layers or list(range(len(report["per_layer"]))),
+    res = {**report, "out": args.out, "model": source, "layers": layers,
            "calibration": None if blocks is None else list(blocks.shape)}
     res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
     return res

@@ -18,9 +18,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import MLPSurgeryError
-from ..files import Fingerprint
 from ..io import MASKS, WEIGHTS, record, streamed_save
-from ..layerwise import LayerStream
+from ..layerwise import LayerStream, SourceRecord
 from ..tensorfiles import SafetensorsWriter
 from ..modules.masks import SUFFIX, install_mask, mask_of
 from ..sites import find_sites, linear_weight
@@ -70,10 +69,10 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
         if parts in (part, "both") and _sparsity_of(sparsity, part) > 0:
             masked |= set(prunable_weights(model, part, chosen))
     before, after = stream.outside_names()
-    fp = Fingerprint(model)
+    source = SourceRecord(stream, source_name)
     state = model.state_dict()
     for name in before:
-        fp.add(name, state[name])
+        source.add(name, state[name])
     settings = {"sparsity": sparsity, "parts": parts, "layers": layers}
     if pattern is not None:
         settings["pattern"] = _pattern_text(pattern)
@@ -93,7 +92,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
         for i in tqdm(range(n), desc=f"{method} (layer by layer)", unit="layer", disable=not progress):
             stream.materialise(i)
             for name, t in stream.layer_state(i).items():
-                fp.add(name, t)
+                source.add(name, t)
             if i in chosen:
                 linears = _layer_linears(sites, i, parts)
                 if calibrated:
@@ -121,13 +120,13 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
                     writer.write(name, t)
             stream.release(i)
         for name in after:
-            fp.add(name, state[name])
+            source.add(name, state[name])
         writer.close()
         if masks is not None:
             masks.close()
         del acts
         shutil.rmtree(tmp / ".activations", ignore_errors=True)
-        model._mlpsurgery_source = {"name": source_name or Path(folder).name, "fingerprint": fp.hexdigest()}
+        source.record()
         if calibrated:
             record(model, f"{method}-prune", settings, calibration=list(data.shape))
         else:

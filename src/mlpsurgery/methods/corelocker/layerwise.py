@@ -33,9 +33,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import Fingerprint
 from ...io import WEIGHTS, record, streamed_save
-from ...layerwise import LayerStream, map_large_allocations
+from ...layerwise import LayerStream, SourceRecord, map_large_allocations
 from ...tensorfiles import SafetensorsWriter
 from ...report import ends_stages, stage
 from .config import CoreLockerConfig
@@ -99,9 +98,9 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     original: dict[str, str] = {}
     locked: dict[str, str] = {}
     values: dict[str, Tensor] = {}
-    fp = Fingerprint(model)
+    source = SourceRecord(stream, source_name)
     for n in before:
-        fp.add(n, state[n])
+        source.add(n, state[n])
     for n in before + after:
         original[n] = tensor_hash(n, state[n])
 
@@ -117,7 +116,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
                 layer = stream.materialise(i)
                 mine = stream.layer_state(i)
                 for n, t in mine.items():
-                    fp.add(n, t)
+                    source.add(n, t)
                     original[n] = tensor_hash(n, t)
                 values.update(extract_entries({stream.prefixes[i] + n: p for n, p in layer.named_parameters()},
                                               extraction))
@@ -126,7 +125,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
                     writer.write(n, t)
                 stream.release(i)
             for n in after:
-                fp.add(n, state[n])
+                source.add(n, state[n])
             values.update(extract_entries({n: p for n, p in params.items() if not n.startswith(inside)},
                                           extraction))  # --include-io
             state = model.state_dict()
@@ -137,7 +136,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
             writer.close()
             locked = {n: locked[n] for n in names}
             original = {n: original[n] for n in names}
-            model._mlpsurgery_source = {"name": source_name or folder.name, "fingerprint": fp.hexdigest()}
+            source.record()
             key = make_key(model, cfg, extraction, {n: values[n] for n in extraction}, n_units, n_eligible, locked,
                            fingerprint(original))
             header = key.header
@@ -178,9 +177,9 @@ def unlock_layerwise(locked: str | Path, key_path: str | Path, out: str | Path, 
     stage(f"reading the key {key_path}" + (" (unsealing: scrypt takes a moment)" if passphrase else ""), progress)
     key = read_key(key_path, passphrase)
     manifest = read_manifest(locked)
-    if manifest.get("modules") or manifest.get("masks"):
-        raise MLPSurgeryError(f"{locked} holds replaced modules or pruning masks, which the layer-sequential unlock "
-                              "does not rebuild; drop --layerwise")
+    if manifest.get("masks"):
+        raise MLPSurgeryError(f"{locked} holds pruning masks, which the layer-sequential unlock does not stream; "
+                              "drop --layerwise")
     stage(f"checking the files of {locked} against its manifest", progress)
     verify_files(locked, manifest)
     map_large_allocations()
