@@ -138,6 +138,13 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
                                                        "--out", str(w / "twist-k6")]),
         ("twist extract --keep 6 (of 12 MLP chunks) --layerwise", ["twist", "extract", model, *d, "--keep", "6",
                                                                    "--layerwise", "--out", str(w / "twist-k6-lw")]),
+        # layer-by-layer commands chained: the subnet folder above (mlpsurgery's, with narrowed layers) read back
+        ("prune magnitude 50% --layerwise (of the layer-by-layer subnet)",
+         ["prune", str(w / "twist-k6-lw"), *d, "--method", "magnitude", "--sparsity", "0.5", "--layerwise",
+          "--out", str(w / "subnet-magnitude-lw")]),
+        ("lock key --ratio 0.05 --layerwise (of the layer-by-layer subnet)",
+         ["lock", "key", str(w / "twist-k6-lw"), *d, "--ratio", "0.05", "--layerwise",
+          "--out", str(w / "subnet-locked-lw"), "--key", str(w / "subnet-key-lw.bin")]),
     ]
 
 
