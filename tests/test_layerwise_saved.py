@@ -86,3 +86,15 @@ def test_a_folder_with_pruning_masks_is_refused_layer_by_layer(tmp_path, subnet,
         assert main([*args, "--layerwise", "--out", str(tmp_path / "x")]) == 2
         assert "pruning masks" in capsys.readouterr().err
         assert not (tmp_path / "x").exists() and not (tmp_path / "k.key").exists()
+
+
+def test_a_saved_bfloat16_folder_asked_for_in_float32_layer_by_layer(tmp_path, subnet):
+    """--dtype other than the saved one: built in it and read with a cast, as the whole-model load does."""
+    from mlpsurgery.io import save
+
+    save(load(subnet).to(torch.bfloat16), tmp_path / "bf16")
+    args = ["nest", str(tmp_path / "bf16"), "--max-rank", "4", "--dtype", "float32", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*args, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
+    _same(tmp_path / "whole", tmp_path / "lw", "nsn")
+    assert {t.dtype for t in file_tensors(tmp_path / "lw").values() if t.is_floating_point()} == {torch.float32}
