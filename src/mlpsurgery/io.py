@@ -442,19 +442,30 @@ def load_weights(model: nn.Module, weights: Path) -> tuple[list[str], list[str]]
     return missing, unexpected
 
 
-def load(folder: str | Path, verify: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
-    """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights, built in
-    `dtype` (default: the dtype it was saved in) as transformers builds a model in a dtype."""
-    folder = Path(folder)
-    manifest = read_manifest(folder)
+def rebuild_saved(folder: Path, manifest: dict, dtype: torch.dtype | None = None, verify: bool = True) -> nn.Module:
+    """The model the folder `save` wrote describes, its weights not read: every file checked against the manifest
+    (verify), the config read as the stock type, the recorded structure built in `dtype` (default: the dtype it was
+    saved in) as transformers builds a model in a dtype, the manifest's history and source on it. `load` fills it;
+    the layer-sequential mode (layerwise.LayerStream) builds it on the meta device and reads it layer by layer."""
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise IntegrityError(f"{folder} has no {WEIGHTS} file; the save was incomplete")
     if verify:
         verify_files(folder, manifest)
-    config = read_config(folder)
-    model = rebuild(config, manifest["model_class"], manifest["modules"], weights=weights,
+    model = rebuild(read_config(folder), manifest["model_class"], manifest["modules"], weights=weights,
                     dtype=dtype or getattr(torch, manifest.get("dtype", "float32")))
+    model._mlpsurgery_history = manifest.get("history", [])
+    model._mlpsurgery_source = manifest.get("source")
+    return model
+
+
+def load(folder: str | Path, verify: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
+    """Rebuild a model written by `save`: stock architecture + recorded replacements + strict weights, built in
+    `dtype` (default: the dtype it was saved in) as transformers builds a model in a dtype."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    model = rebuild_saved(folder, manifest, dtype=dtype, verify=verify)
+    weights = folder / WEIGHTS
     try:
         missing, unexpected = load_weights(model, weights)
     except Exception as e:  # safetensors raises on corrupt headers / shape mismatches
@@ -463,8 +474,6 @@ def load(folder: str | Path, verify: bool = True, dtype: torch.dtype | None = No
         raise IntegrityError(f"{weights} does not fit the structure in {MANIFEST}: missing {sorted(missing)[:8]}, "
                              f"unexpected {sorted(unexpected)[:8]}")
     _load_masks(model, folder, manifest.get("masks", []))
-    model._mlpsurgery_history = manifest.get("history", [])
-    model._mlpsurgery_source = manifest.get("source")
     model._mlpsurgery_path = str(folder)
     if (folder / "generation_config.json").is_file():
         with contextlib.suppress(Exception):

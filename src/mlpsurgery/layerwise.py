@@ -103,17 +103,15 @@ class LayerStream:
         (None for a stock checkpoint). One with pruning masks is refused (their buffers are not streamed)."""
         from accelerate import init_empty_weights
 
-        from .io import MANIFEST, WEIGHTS, read_manifest, rebuild, verify_files
-        from .io import read_config as read_saved_config
+        from .io import MANIFEST, read_manifest, rebuild_saved
         from .models import _model_class, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)
         self.ckpt = ckpt if ckpt is not None else LazyCheckpoint(self.folder)
         self.manifest = read_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
-        # (a saved folder's config as io.load reads it: the stock type, never the generated code it may carry)
-        config = read_config(self.folder) if self.manifest is None else read_saved_config(self.folder)
         if self.manifest is None:
+            config = read_config(self.folder)
             self.dtype = resolve_dtype(config, dtype)
             klass = _model_class(config, task)
             with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
@@ -125,16 +123,12 @@ class LayerStream:
             if manifest.get("masks"):
                 raise MLPSurgeryError(f"{self.folder} holds pruning masks, which the layer-sequential mode does not "
                                       "stream; drop --layerwise")
-            if verify:
-                verify_files(self.folder, manifest)
             saved = getattr(torch, manifest.get("dtype", "float32"))
             self.dtype = saved if dtype is None or dtype == "auto" else dtype
             with init_empty_weights(include_buffers=False):  # as io.load rebuilds it, parameters on meta
-                model = rebuild(config, manifest["model_class"], manifest["modules"], weights=self.folder / WEIGHTS,
-                                dtype=self.dtype)
+                model = rebuild_saved(self.folder, manifest, dtype=self.dtype, verify=verify)
+            config = model.config
             self._names = {k: k for k in self.ckpt.where}  # saved under the model's own names
-            model._mlpsurgery_history = manifest.get("history", [])
-            model._mlpsurgery_source = manifest.get("source")
         model.eval()
         if (self.folder / "generation_config.json").is_file():  # as from_pretrained reads it
             with contextlib.suppress(Exception):

@@ -146,12 +146,18 @@ def _first_line(e: BaseException, limit: int = 240) -> str:
 
 
 def read_config(folder: Path):
-    """The folder's transformers config, or a one-line refusal that says what is wrong with it."""
+    """The folder's transformers config, or a one-line refusal that says what is wrong with it. A folder mlpsurgery
+    wrote is read as `io.load` reads it: the stock config of its architecture, never the generated modeling code
+    its config.json may name."""
     from transformers import AutoConfig
 
     path = folder / "config.json"
     if not path.is_file():
         raise MLPSurgeryError(f"{folder} has no config.json file: not a transformers or mlpsurgery model folder")
+    if (folder / "surgery.json").exists():
+        from . import io
+
+        return io.read_config(folder)
     try:
         raw = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -159,7 +165,7 @@ def read_config(folder: Path):
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise MLPSurgeryError(f"{path} has no \"model_type\": transformers cannot tell the architecture; restore the "
                               "model's config.json")
-    if raw.get("auto_map") and not (folder / "surgery.json").exists():
+    if raw.get("auto_map"):
         raise MLPSurgeryError(f"{folder} needs its own modeling code (auto_map in config.json), which mlpsurgery does not "
                               "run; give a model of an architecture built into transformers")
     try:
@@ -376,11 +382,8 @@ def _tokenizer(folder: Path):
     if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         return None
     try:
-        kw = {}
-        if (folder / "surgery.json").exists():  # config.json may name generated code: give the stock config
-            from . import io
-
-            kw["config"] = io.read_config(folder)
+        # config.json may name generated code: give the stock config (read_config)
+        kw = {"config": read_config(folder)} if (folder / "surgery.json").exists() else {}
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False, **kw)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise MLPSurgeryError(f"the tokenizer files in {folder} cannot be read ({_first_line(e)}); restore them") from None

@@ -149,7 +149,6 @@ def run_extract(args) -> dict:
 
 def _extract_layerwise(args) -> dict:
     """`twist extract --layerwise`: the folder read one decoder layer at a time (methods/twist/layerwise.py)."""
-    from ..io import read_manifest
     from ..methods.twist.layerwise import extract_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
@@ -159,8 +158,7 @@ def _extract_layerwise(args) -> dict:
                           seed=args.seed, rescale=not args.no_rescale, dtype=working_dtype(),
                           tokenizer=_tokenizer(folder), overwrite=args.overwrite, inputs=[args.dir],
                           source_name=name, progress=progress(args))
-    manifest = read_manifest(args.out)
-    return {"out": args.out, "from": args.dir, "seed": args.seed, **r, "plain_transformers": not manifest["modules"]}
+    return {"out": args.out, "from": args.dir, "seed": args.seed, **r}
 
 
 def render_extract(r: dict) -> str:
@@ -216,8 +214,6 @@ def _prune_layerwise(args, pattern) -> dict:
     """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py)."""
     from ..data import load_corpus
     from ..methods.pruning_layerwise import METHODS, prune_layerwise
-    from ..io import MANIFEST
-    from ..io import read_config as read_saved_config
     from ..models import _tokenizer, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 
@@ -225,9 +221,7 @@ def _prune_layerwise(args, pattern) -> dict:
         raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS)}, not {args.method} (it removes whole "
                               "blocks, changing shapes): drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
-    # (all layers named, as the whole-model command records them; a saved folder's config read as io.load reads it)
-    config = read_saved_config(folder) if (folder / MANIFEST).exists() else read_config(folder)
-    layers = parse_layers(args.layers, config.num_hidden_layers)
+    layers = parse_layers(args.layers, read_config(folder).num_hidden_layers)  # (named, as the whole command does)
     tokenizer = _tokenizer(folder)
     blocks = None
     if args.method in ("wanda", "sparsegpt"):

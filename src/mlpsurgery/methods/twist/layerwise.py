@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ...errors import MLPSurgeryError
-from ...io import _materialise, record
+from ...io import _materialise, record, replaced_modules
 from ...layerwise import LayerStream, rewrite
 from ...measure.cost import count_params
 from ...sites import arch_spec, find_sites
@@ -75,5 +75,6 @@ def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: in
     entry = model._mlpsurgery_history[-1]
     return {"config": entry["config"], "subnet": entry["provenance"]["subnet"], "params_before": before["total"],
             "params_after": after["total"], "attention_params": [before["attention"], after["attention"]],
-            "mlp_params": [before["mlp"], after["mlp"]], "layerwise": True,
+            "mlp_params": [before["mlp"], after["mlp"]], "plain_transformers": not replaced_modules(model),
+            "layerwise": True,
             "dtype": str(stream.dtype).removeprefix("torch.")}
