@@ -166,7 +166,7 @@ class LayerStream:
         missing = sorted({h for _, h in resident.values() if self._key(h) is None})
         if missing:
             raise MLPSurgeryError(f"{self.folder}: no tensor {missing[0]!r} in the checkpoint (of {len(missing)} "
-                                  "missing); the layer-sequential mode reads stock checkpoints: drop --layerwise")
+                                  "missing); the layer-sequential mode reads every tensor from the files: drop --layerwise")
         read: dict[str, Tensor] = {}
         for t, h in resident.values():
             if h not in read:
