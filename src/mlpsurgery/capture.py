@@ -57,6 +57,15 @@ class Capture:
         with safe_open(self.root / f"chunk_{k:05d}.safetensors", framework="pt") as f:
             return {i: (f.get_tensor(f"x.{i}"), f.get_tensor(f"y.{i}")) for i in layers}
 
+    def keep(self, layers: list[int]) -> None:
+        """Forget every other layer's rows (held in memory; a capture on disk only stops listing them)."""
+        drop = [i for i in self.layers if i not in set(layers)]
+        for chunk in self.memory:
+            for i in drop:
+                chunk.pop(f"x.{i}", None)
+                chunk.pop(f"y.{i}", None)
+        self.layers = [i for i in self.layers if i in set(layers)]
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """All rows of one layer (concatenated over chunks): only for captures that fit in memory."""
         xs, ys = zip(*(self.chunk(k, [i])[i] for k in range(self.n_chunks)))

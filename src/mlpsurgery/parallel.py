@@ -234,16 +234,33 @@ def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
     return batch[rank * per:(rank + 1) * per]
 
 
+def sum_over_ranks(values: Tensor) -> Tensor:
+    """The element-wise sum of `values` over the ranks (a collective); unchanged without a process group."""
+    import torch.distributed as dist
+
+    if world()[1] == 1:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
 def mean_over_ranks(values: Tensor) -> Tensor:
     """The element-wise mean of `values` over the ranks (a collective); unchanged without a process group."""
+    return sum_over_ranks(values) / world()[1]
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's `obj` (picklable; tensors on the CPU), in rank order, on rank 0; None on the others (a
+    collective); [obj] without a process group."""
     import torch.distributed as dist
 
     rank, size = world()
     if size == 1:
-        return values
-    out = values.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out / size
+        return [obj]
+    out: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
 
 
 def local_bytes(params) -> int:

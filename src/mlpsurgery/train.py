@@ -193,6 +193,62 @@ def _sharded_step(params: list[Tensor], clip: float | None) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
+# Partitioned parameters (`fit(partition=...)` under torchrun): each rank trains its own disjoint share of the
+# parameters (the layers given to it) on a loss whose terms are its own (a sum over the layers, each layer's term
+# on its own data), so the ranks' gradients need no averaging: only the clip's global norm and the reported loss
+# are summed over the ranks. Checkpoints hold every rank's tensors in the order of one process (`partition`), so
+# a run written by N ranks resumes in one process or in M.
+
+
+def _partition_step(params: list[Tensor], clip: float | None) -> float:
+    """The global gradient norm over every rank's own parameters (the one a single process would see), and the
+    clip by it applied to this rank's gradients."""
+    import torch.distributed as dist
+
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.double().pow(2).sum().cpu()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    norm = float(sq.sqrt())
+    if clip:
+        coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
+
+
+def _gather_partition(names: list[str], order: list[str], tensors: dict[str, Tensor], optim: dict,
+                      rng: dict) -> tuple[dict, dict, list] | None:
+    """Rank 0: every rank's parameters and AdamW state as one process holds them (its state indexed by the
+    position in `order`), and every rank's RNG state; None on the other ranks (a collective)."""
+    from . import parallel
+
+    state = {n: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in optim["state"][j].items()}
+             for j, n in enumerate(names) if j in optim["state"]}
+    mine = ({n: tensors[n].detach().cpu() for n in names}, state, rng)
+    box = parallel.gather_to_rank0(mine)
+    if box is None:
+        return None
+    params, canon = {}, {}
+    for part, st, _ in box:
+        params.update(part)
+        canon.update({order.index(n): v for n, v in st.items()})
+    group = {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
+    return ({n: params[n] for n in order}, {"state": canon, "param_groups": [{**group, "params": list(range(len(order)))}]},
+            [r for _, _, r in box])
+
+
+def _local_optimizer_state(canon: dict, names: list[str], order: list[str]) -> dict:
+    """This rank's share of an optimizer state written in one process's order."""
+    state = {j: canon["state"][order.index(n)] for j, n in enumerate(names) if order.index(n) in canon["state"]}
+    group = {k: v for k, v in canon["param_groups"][0].items() if k != "params"}
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(names)))}]}
+
+
+# --------------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -231,7 +287,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         optimizer_groups: list[dict] | None = None,
         on_checkpoint: Callable[[dict], None] | None = None,
         on_resume: Callable[[dict], None] | None = None,
-        clip_fn: Callable[[], float] | None = None, settings: dict | None = None) -> FitResult:
+        clip_fn: Callable[[], float] | None = None, settings: dict | None = None,
+        partition: list[str] | None = None) -> FitResult:
     """Minimise loss_fn(step) over `params` (name -> parameter) for cfg.steps steps.
 
     loss_fn(step) returns the loss (or (loss, metrics)); it must draw its batch with step_rng(seed, step)
@@ -248,6 +305,13 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     rows of the batch, parallel.rows): the loss and metrics are averaged over the ranks, plain parameters'
     gradients too, the clip is by the global norm, only rank 0 shows progress and writes checkpoints (full
     tensors; a stop by Ctrl-C keeps the last periodic one, since the ranks may not all reach a gather).
+
+    partition: the names of every rank's parameters in one process's order, where each rank passes its own
+    disjoint share of them as `params` and loss_fn computes only its own terms of a loss that is a sum of
+    per-share terms (e.g. a sum over layers, each rank given some layers): the loss reported and the clip's norm
+    are summed over the ranks, gradients are not averaged, and checkpoints hold every rank's tensors in that
+    order (so they resume in one process or under another number of ranks). In one process `params` must be all
+    of them. Each rank's RNG state is checkpointed too (restored when resumed under as many ranks).
     """
     from . import parallel
 
@@ -255,10 +319,27 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         raise MLPSurgeryError(f"steps must be >= 0, not {cfg.steps}")
     rank, size = parallel.world()
     sharded = size > 1 and any(parallel.is_dtensor(p) for p in params.values())
-    if sharded and clip_fn is not None:
-        raise MLPSurgeryError("this training step clips gradients per group, which sharded (FSDP) training does not "
+    partitioned = size > 1 and partition is not None
+    if (sharded or partitioned) and clip_fn is not None:
+        raise MLPSurgeryError("this training step clips gradients per group, which sharded training does not "
                               "offer; run it in one process")
     names = list(params)
+    order = names
+    if partition is not None:
+        order = list(partition)
+        stray = [n for n in names if n not in set(order)]
+        if stray or len(set(order)) != len(order):
+            raise MLPSurgeryError(f"parameters {stray[:3]} are not in the partition, or it names one twice")
+        if sharded or (partitioned and optimizer_groups):
+            raise MLPSurgeryError("partitioned training takes plain parameters in one AdamW group")
+        if partitioned:
+            covered = [n for part in parallel.all_gather(names) for n in part]
+            if sorted(covered) != sorted(order):
+                raise MLPSurgeryError("the ranks' shares of the parameters do not cover the partition exactly once")
+        elif sorted(names) != sorted(order):
+            raise MLPSurgeryError("in one process a partitioned training takes every parameter of the partition")
+        names = [n for n in order if n in set(names)]  # one process's order within each share
+    distributed = sharded or partitioned
     grouped = set()
     groups = []
     for g in optimizer_groups or []:
@@ -277,7 +358,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                                       **(settings or {})}, sort_keys=True, default=str))
     state = load_checkpoint(ckpt) if ckpt else None
     if state is not None:
-        if state.get("names") != names:
+        if state.get("names") != order:
             raise MLPSurgeryError(f"checkpoint {ckpt} was written for other parameters; delete it or use another folder")
         if state.get("total_steps") != cfg.steps:
             raise MLPSurgeryError(f"checkpoint {ckpt} belongs to a run of {state.get('total_steps')} steps, not "
@@ -299,8 +380,10 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                 for k, v in st.items():
                     if isinstance(v, Tensor) and k != "step":
                         st[k] = _like(v, plist[int(idx)])
-        opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+        opt.load_state_dict(_local_optimizer_state(state["optimizer"], names, order) if partitioned
+                            else state["optimizer"])
+        per_rank = state.get("rng_ranks")  # each rank's own stream (dropout), when resumed under as many ranks
+        set_rng_state(per_rank[rank] if per_rank and len(per_rank) == size else state["rng"])
         history, start, elapsed = state["history"], state["step"], state["seconds"]
         if on_resume is not None:
             on_resume(state.get("extra", {}))
@@ -311,17 +394,21 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         extra: dict = {}
         if on_checkpoint is not None:
             on_checkpoint(extra)
+        rngs = None
         with torch.no_grad():
             tensors = {n: params[n].detach() for n in names}
             optim = opt.state_dict()
             if sharded:
                 tensors, optim = _full(tensors), _full(optim)
-        if rank == 0 or not sharded:
-            save_checkpoint(ckpt, {"names": names, "total_steps": cfg.steps, "step": step, "seconds": seconds,
+                rngs = parallel.all_gather(rng_state())
+            elif partitioned:
+                tensors, optim, rngs = _gather_partition(names, order, tensors, optim, rng_state()) or (None,) * 3
+        if rank == 0 or not distributed:
+            save_checkpoint(ckpt, {"names": order, "total_steps": cfg.steps, "step": step, "seconds": seconds,
                                    "params": tensors, "optimizer": optim,
                                    "rng": rng or rng_state(), "history": history, "config": asdict(cfg),
-                                   "extra": extra, "settings": identity})
-        if sharded:
+                                   "extra": extra, "settings": identity, **({"rng_ranks": rngs} if rngs else {})})
+        if distributed:
             import torch.distributed as dist
 
             dist.barrier()  # no rank runs ahead of a checkpoint that may yet fail to write
@@ -341,11 +428,11 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             out = loss_fn(step)
             loss, metrics = out if isinstance(out, tuple) else (out, {})
             shown = float(loss.detach())
-            if sharded:  # what one process would report: the mean over the ranks' equal shares of the batch
-                keys = list(metrics)
-                both = parallel.mean_over_ranks(torch.tensor([shown, *(float(metrics[k]) for k in keys)],
-                                                             dtype=torch.float64)).tolist()
-                shown, metrics = both[0], dict(zip(keys, both[1:]))
+            if distributed:  # what one process would report: the mean over the ranks' equal shares of the batch
+                keys = list(metrics)  # (sharded), or the sum of the ranks' own terms of the loss (partitioned)
+                both = torch.tensor([shown, *(float(metrics[k]) for k in keys)], dtype=torch.float64)
+                both = parallel.sum_over_ranks(both) if partitioned else parallel.mean_over_ranks(both)
+                shown, metrics = both[0].item(), dict(zip(keys, both[1:].tolist()))
             if not math.isfinite(shown):
                 raise MLPSurgeryError(f"{desc}: loss became {shown} at step {step}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
@@ -355,6 +442,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                     metrics.setdefault("grad_norm", float(clip_fn()))
                 elif sharded:
                     metrics.setdefault("grad_norm", _sharded_step(trained, cfg.clip))
+                elif partitioned:
+                    metrics.setdefault("grad_norm", _partition_step(trained, cfg.clip))
                 elif cfg.clip:
                     gn = torch.nn.utils.clip_grad_norm_(trained, cfg.clip)
                     metrics.setdefault("grad_norm", float(gn))
@@ -372,7 +461,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         stopped = str(e) or "stopped by the loss function"
     except KeyboardInterrupt:
         bar.close()
-        if not sharded:
+        if not distributed:
             write(done, time.perf_counter() - t0, rng=rng_next)
         raise
     bar.close()
@@ -383,7 +472,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
               "grad_bytes": parallel.local_bytes([p.grad for p in trained if p.grad is not None]),
               "optimizer_bytes": parallel.local_bytes([v for st in opt.state.values() for v in st.values()
                                                       if isinstance(v, Tensor) and v.dim() > 0]),
-              "world_size": size if sharded else 1}
+              "world_size": size if distributed else 1}
     return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped,
                      memory=memory)
 

@@ -17,7 +17,9 @@ METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P
 # ---- fuse -------------------------------------------------------------------------------------------
 
 def run_fuse(args) -> dict:
+    from .. import parallel
     from ..data import text_blocks
+    from ..errors import MLPSurgeryError
     from ..io import save
     from ..measure.cost import count_params
     from ..methods.fusion import FusionConfig, fuse
@@ -28,19 +30,36 @@ def run_fuse(args) -> dict:
     from ..models import check_context
 
     inputs = [args.model, args.tune_data]
-    check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
-    if args.checkpoint_dir:
-        check_state(args.checkpoint_dir, inputs=inputs + [args.out])
+    device = device_of(args)
+    if parallel.launched() and not args.layerwise:  # torchrun: the layer-wise tuning split by layer over the ranks
+        device = parallel.rank_device(device)
+        parallel.init(device)
+    rank, world = parallel.world()
+    if rank != 0:
+        args.quiet = True  # rank 0 shows the stages and progress
+
+    def claims():  # rank 0's; every rank hears of a refusal
+        check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
+        if args.checkpoint_dir:
+            check_state(args.checkpoint_dir, inputs=inputs + [args.out])
+        if world > 1 and not args.tune_data:
+            raise MLPSurgeryError("under torchrun `fuse` splits its layer-wise tuning over the ranks by layer: give "
+                                  "--tune-data, or run it as one process")
+
+    parallel.on_rank0(claims)
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
                        device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
                        tune_lr=args.tune_lr)
     cfg.validate()
     t0 = time.perf_counter()
     if args.layerwise:
+        if parallel.launched():
+            raise MLPSurgeryError("--layerwise runs as one process (it does not train): drop torchrun, or drop "
+                                  "--layerwise")
         return _fuse_layerwise(args, cfg, t0)
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
-    model = loaded.model.to(device_of(args))
+    model = loaded.model.to(device)
     before = count_params(model)
     tune = None
     if args.tune_data:
@@ -49,6 +68,8 @@ def run_fuse(args) -> dict:
         tune = text_blocks(args.tune_data, loaded.require_tokenizer(), block_len=args.block_len,
                            max_blocks=args.tune_blocks, seed=args.seed)
     report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir)
+    if rank != 0:  # rank 0 holds every tuned layer, saves and reports
+        return {"rank": rank, "world_size": world}
     after = count_params(model)
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs)
@@ -87,6 +108,8 @@ def plot_fuse(r: dict, path):
 
 
 def render_fuse(r: dict) -> str:
+    if "out" not in r:  # a torchrun rank other than 0
+        return f"rank {r['rank']} of {r['world_size']} done"
     rows = [{"layer": s["layer"], "h": s["h"], "width": s["width"], "params": f"{human_count(s['params_before'])} -> "
              f"{human_count(s['nonzero_after'])}", **({"clusters (min/max size)": f"{s['cluster_sizes']['min']}/"
                                                        f"{s['cluster_sizes']['max']}"} if "cluster_sizes" in s else {}),
@@ -98,8 +121,9 @@ def render_fuse(r: dict) -> str:
              f"model {human_count(r['params_before'])} -> {human_count(r['params_after'])}"]
     if "tuning" in r:
         t = r["tuning"]
+        split = f", split by layer over {r['world_size']} processes" if r.get("world_size", 1) > 1 else ""
         lines.append(f"layer-wise tuning: {t['steps']} steps on {t['tokens']} tokens, MSE {t['mse_before']:.4g} -> "
-                     f"{t['mse_after']:.4g}")
+                     f"{t['mse_after']:.4g}{split}")
     lines.append(f"relative error of each compressed MLP's output: on {r['error_inputs']}")
     lines.append(f"saved to {r['out']} ({r['seconds']:.0f} s); after fine-tuning, `mlpsurgery export` folds P into a "
                  "plain transformers model (every layer fused to one width)")

@@ -410,10 +410,15 @@ def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
 
 
 def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig, progress: bool = True,
-                checkpoint_dir=None, settings: dict | None = None) -> dict:
+                checkpoint_dir=None, settings: dict | None = None, partition: list[int] | None = None) -> dict:
     """Layer-wise task-specific tuning: minimise sum over layers of MSE(compressed MLP sub-block output,
     original output) on the captured original inputs, training only the compressed MLPs' weights. A checkpoint
-    made from another model, other layers, settings or data (`settings`: its digest) is refused."""
+    made from another model, other layers, settings or data (`settings`: its digest) is refused.
+
+    partition (under torchrun): every rank's layers, in order; this rank tunes `layers`, its share, on its own
+    captured rows. Each layer's term of the loss depends on its own MLP alone, so the ranks' sum is one process's
+    loss and gradient (mlpsurgery.train.fit, partition); the MSEs reported are the sums over the ranks."""
+    from .. import parallel
     from ..files import model_fingerprint
 
     sites = find_sites(model)
@@ -424,6 +429,7 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     perm = torch.randperm(n, generator=step_rng(cfg.seed, 0, stream=7))
     device = next(model.parameters()).device
     params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
+    every = site_params(model, partition) if partition is not None else params
     frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
     for p in frozen:
         p.requires_grad_(False)
@@ -443,24 +449,50 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
             torch.randint(0, n, (batch,), generator=step_rng(cfg.seed, step))
         return layer_mse(idx)
 
-    with torch.no_grad():
-        probe = perm[:min(n, 4096)]
-        before = float(layer_mse(probe))
+    def total_mse(idx: Tensor) -> float:
+        with torch.no_grad():
+            mse = layer_mse(idx).detach().double().reshape(1)
+        return float(parallel.sum_over_ranks(mse) if partition is not None else mse)
+
+    probe = perm[:min(n, 4096)]
+    before = total_mse(probe)
     was = model.training
     model.train()
     try:
         identity = None if checkpoint_dir is None else {
-            "model": model_fingerprint(model, skip=params), "layers": layers, "fusion": asdict(cfg), **(settings or {})}
+            "model": model_fingerprint(model, skip=every), "layers": partition or layers, "fusion": asdict(cfg),
+            **(settings or {})}
         res = fit(params, loss_fn, FitConfig(steps=steps, lr=cfg.tune_lr, seed=cfg.seed, log_every=10),
-                  checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity)
+                  checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity,
+                  partition=None if partition is None else list(every))
     finally:
         model.train(was)
         for p in frozen:
             p.requires_grad_(True)
-    with torch.no_grad():
-        after = float(layer_mse(probe))
+    after = total_mse(probe)
+    captured = sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
     return {"steps": steps, "tokens": n, "batch_rows": batch, "mse_before": before, "mse_after": after,
-            "seconds": res.seconds}
+            "seconds": res.seconds, "memory": {**res.memory, "captured_bytes": captured}}
+
+
+def _gather_layers(sites, rows: list[dict], own: list[int]) -> None:
+    """Under torchrun: rank 0 takes every other rank's tuned layers (their modules' full state, in place of its own
+    untuned copies) and their error measurements into `rows`."""
+    from .. import parallel
+
+    mine = {i: ([{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in sites.mlp[i].modules()],
+                {k: r[k] for k in ("error_rel", "error_rel_tuned") if k in r})
+            for r in rows if (i := r["layer"]) in own}
+    got = parallel.gather_to_rank0(mine)
+    if got is None:
+        return
+    by_layer = {r["layer"]: r for r in rows}
+    with torch.no_grad():
+        for part in got[1:]:
+            for i, (states, errors) in part.items():
+                for m, state in zip(sites.mlp[i].modules(), states):
+                    m.load_state_dict(state)
+                by_layer[i].update(errors)
 
 
 def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
@@ -484,16 +516,39 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
          progress: bool = True, checkpoint_dir=None) -> dict:
     """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
     `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
-    model's history (saved by mlpsurgery.save)."""
+    model's history (saved by mlpsurgery.save).
+
+    Under torchrun (N ranks, every one holding the same model and data) the layer-wise tuning is split by layer,
+    as DLR-Lock's phase 1 is: rank r captures and tunes layers r, r+N, ... of the chosen ones (the captured
+    activations, gradients and AdamW moments of its layers only: the tuning's memory), every rank compresses
+    every layer as one process does (the same arithmetic, the same random draws), and rank 0 gathers the tuned
+    layers and the report; the model on the other ranks is left with only their own layers tuned."""
+    from .. import parallel
+    from ..files import model_fingerprint
+
     cfg = config or FusionConfig()
     cfg.validate()
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)
     if cfg.importance == "activation" and cfg.method == "neuron" and tune_data is None:
         raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
+    rank, world = parallel.world()
+    own = layers
+    digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
+    if world > 1:
+        if tune_data is None:
+            raise MLPSurgeryError("under torchrun `fuse` splits its layer-wise tuning over the ranks by layer: give "
+                                  "--tune-data, or run it as one process")
+        if len(layers) < world:
+            raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
+                                  "processes (torchrun --nproc-per-node)")
+        parallel.same_on_every_rank("models, data or settings",
+                                    {"model": model_fingerprint(model), "data": digest, "fusion": asdict(cfg)})
+        own = parallel.share(layers)
     capture = None
-    if tune_data is not None:
-        capture = capture_mlp_io(model, tune_data, layers=layers, progress=progress)
+    if tune_data is not None:  # neurons scored by their activations: every layer's inputs, until compressed
+        scored = cfg.importance == "activation" and cfg.method == "neuron"
+        capture = capture_mlp_io(model, tune_data, layers=layers if scored else own, progress=progress)
     gen = torch.Generator().manual_seed(cfg.seed)
     probes = _ErrorProbes(sites, layers, capture, cfg.seed)
     rows = []
@@ -504,17 +559,23 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
         rows.append(compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress))
         if cfg.method == "magnitude":
             rows[-1]["pruning"] = magnitude_prune(model, 1.0 - k / rows[-1]["h"], parts="ffn", layers=[i])
-        rows[-1]["error_rel"] = probes.error(i)
+        if i in own:
+            rows[-1]["error_rel"] = probes.error(i)
     for r in rows:
         count_after(sites.mlp[r["layer"]], r)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description}
     if capture is not None:
-        digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
-        report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
-                                       settings={"data": digest, "data_shape": list(tune_data.shape)})
+        capture.keep(own)
+        report["tuning"] = tune_layers(model, capture, own, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
+                                       settings={"data": digest, "data_shape": list(tune_data.shape)},
+                                       partition=layers if world > 1 else None)
         for r in rows:
-            r["error_rel_tuned"] = probes.error(r["layer"])
+            if r["layer"] in own:
+                r["error_rel_tuned"] = probes.error(r["layer"])
+    if world > 1:
+        _gather_layers(sites, rows, own)
+        report["world_size"] = world
     record(model, "fusion", asdict(cfg), width=k, layers=layers,
            tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)
     return report
