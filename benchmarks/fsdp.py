@@ -5,12 +5,16 @@ process and once as `torchrun --nproc-per-node N`.
 trained parameters, their gradients and AdamW moments it held (its shard under FSDP), its peak resident memory
 (the kernel's) before and during training, the wall time; the loss at every step of both runs and the largest
 difference between the two saved models' weights.
+--what fuse: `mlpsurgery fuse` with layer-wise tuning (split by layer over the ranks). Per process: its tuned
+layers' captured activations, trained parameters, gradients and AdamW moments, its peak resident memory, the wall
+time; the tuning's MSE before / after and every layer's error in both runs, and the largest weight difference.
 --what lock-dlr: `mlpsurgery lock dlr` (phase 1 split by layer, phase 2 sharded; --phase1-hard-fraction 0, so
 that each layer's net is the one-process net). Per process: peak resident memory and wall time; the stage
 times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference.
 
     python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
         --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
+    python benchmarks/fsdp.py --what fuse --json docs/results/fsdp-fuse-smollm2.json --md docs/results/fsdp-fuse-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
     python benchmarks/fsdp.py --render docs/results/fsdp-smollm2.json     # the markdown again from the JSON
 
@@ -87,9 +91,42 @@ def render_lock(res: dict) -> str:
         f"difference between the two saved models' weights: {res['max_weight_diff']:.1e}."]) + "\n"
 
 
+FUSE = ["--width", "384", "--layers", "all", "--tune-data", "austen", "--tune-blocks", "64", "--block-len", "128"]
+
+
+def render_fuse(res: dict) -> str:
+    mib = 2 ** 20
+    rows = ["| run | process | captured activations | trained params | gradients | AdamW moments | peak RSS | wall |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
+                              (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])):
+        for p in procs:
+            m = p["memory"]
+            rows.append(f"| {name} | rank {p['rank']} | {m['captured_bytes'] / mib:.0f} MiB | "
+                        f"{m['param_bytes'] / mib:.0f} MiB | {m['grad_bytes'] / mib:.0f} MiB | "
+                        f"{m['optimizer_bytes'] / mib:.0f} MiB | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
+    a, b = res["report_one"], res["report_sharded"]
+    held = lambda m: m["captured_bytes"] + m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]  # noqa: E731
+    one, mine = held(res["one"][0]["memory"]), max(held(p["memory"]) for p in res["sharded"])
+    err = lambda k: max(abs(x[k] - y[k]) for x, y in zip(a["sites"], b["sites"]))  # noqa: E731
+    return "\n".join([
+        f"`mlpsurgery fuse {res['model']} {' '.join(res['args'])}`; machine: {res['machine']}; torch {res['torch']}.",
+        "", *rows, "",
+        f"Per process, the tuning's captured activations + trained parameters + gradients + AdamW moments: at most "
+        f"{mine / mib:.0f} MiB of {one / mib:.0f} MiB in one process ({mine / one:.2f}x).",
+        f"Layer-wise tuning: {a['tuning']['steps']} steps; MSE (sum over the layers) {a['tuning']['mse_before']:.6f} -> "
+        f"{a['tuning']['mse_after']:.6f} in one process, {b['tuning']['mse_before']:.6f} -> "
+        f"{b['tuning']['mse_after']:.6f} under torchrun.",
+        f"Largest per-layer difference of the relative output error: one-shot {err('error_rel'):.1e}, tuned "
+        f"{err('error_rel_tuned'):.1e}; largest difference between the two saved models' weights: "
+        f"{res['max_weight_diff']:.1e}."]) + "\n"
+
+
 def render(res: dict) -> str:
     if res.get("what") == "lock-dlr":
         return render_lock(res)
+    if res.get("what") == "fuse":
+        return render_fuse(res)
     mib = 2 ** 20
     rows = ["| run | process | model params | trained params | gradients | AdamW moments | peak RSS before training "
             "| peak RSS in training | wall |", "|---|---|---|---|---|---|---|---|---|"]
@@ -144,6 +181,19 @@ def bench_lock(args, work: Path) -> dict:
             "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
 
 
+def bench_fuse(args, work: Path) -> dict:
+    common = ["fuse", args.model, *FUSE, "--json", "--quiet"]
+    one, one_s, sharded, sharded_s = _both(args, common, work)
+    main0 = next(o for o in sharded if "out" in o)
+    return {"what": "fuse", "model": args.model, "args": FUSE, "ranks": args.ranks, **_machine(),
+            "one_seconds": one_s, "sharded_seconds": sharded_s,
+            "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"], "memory": one[0]["tuning"]["memory"]}],
+            "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"],
+                                "memory": o["tuning"]["memory"]} for o in sharded), key=lambda p: p["rank"]),
+            "report_one": one[0], "report_sharded": main0,
+            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+
+
 def bench_nest(args, work: Path) -> dict:
     common = ["nest", args.model, "--train-steps", str(args.steps), "--batch-size", str(args.batch_size),
               "--block-len", str(args.block_len), "--json", "--quiet"]
@@ -163,7 +213,7 @@ def bench_nest(args, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--what", choices=["nest", "lock-dlr"], default="nest")
+    ap.add_argument("--what", choices=["nest", "lock-dlr", "fuse"], default="nest")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -178,7 +228,7 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     try:
-        res = (bench_lock if args.what == "lock-dlr" else bench_nest)(args, work)
+        res = {"lock-dlr": bench_lock, "fuse": bench_fuse, "nest": bench_nest}[args.what](args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = render(res)

@@ -27,6 +27,19 @@ def test_capture_matches_the_subblock(model):
         assert cap.relative_error(i, lambda v: v + sites.mlp[i].subblock(v)) < 1e-8
 
 
+def test_consolidate_and_keep_change_what_is_held_not_the_rows(model):
+    cap = capture_mlp_io(model, blocks(), batch_size=2, progress=False)
+    before = {i: cap.layer(i) for i in cap.layers}
+    cap.consolidate()
+    assert cap.n_chunks == 1 and cap.n_tokens == 80
+    for i, (x, y) in before.items():
+        got = cap.layer(i)
+        assert torch.equal(got[0], x) and torch.equal(got[1], y)
+        assert cap.layer(i)[0].data_ptr() == got[0].data_ptr()  # handed out without a copy
+    cap.keep([cap.layers[-1]])
+    assert cap.layers == [1] and set(cap.memory[0]) == {"x.1", "y.1"}
+
+
 def test_capture_stops_after_last_layer():
     model = tiny_model("llama", num_hidden_layers=4)
     calls = []

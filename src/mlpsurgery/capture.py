@@ -68,8 +68,21 @@ class Capture:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """All rows of one layer (concatenated over chunks): only for captures that fit in memory."""
+        if self.root is None and self.n_chunks == 1:
+            return self.memory[0][f"x.{i}"], self.memory[0][f"y.{i}"]  # no copy
         xs, ys = zip(*(self.chunk(k, [i])[i] for k in range(self.n_chunks)))
         return torch.cat(xs), torch.cat(ys)
+
+    def consolidate(self) -> None:
+        """Join an in-memory capture's chunks into one, layer by layer (one layer's rows held twice at a time), so
+        that `layer` hands out its rows without copying them."""
+        if self.root is not None or self.n_chunks <= 1:
+            return
+        one: dict[str, Tensor] = {}
+        for name in list(self.memory[0]):
+            one[name] = torch.cat([chunk.pop(name) for chunk in self.memory])
+        self.memory = [one]
+        self.tokens_per_chunk, self.n_chunks = [sum(self.tokens_per_chunk)], 1
 
     def relative_error(self, i: int, fn, batch: int = 4096) -> float:
         """sum ||fn(x) - y||^2 / sum ||y - x||^2 over all rows of layer i (1.0 = no better than identity)."""

@@ -20,6 +20,7 @@ def run_fuse(args) -> dict:
     from .. import parallel
     from ..data import text_blocks
     from ..errors import MLPSurgeryError
+    from ..measure.memory import peak_rss
     from ..io import save
     from ..measure.cost import count_params
     from ..methods.fusion import FusionConfig, fuse
@@ -69,12 +70,14 @@ def run_fuse(args) -> dict:
                            max_blocks=args.tune_blocks, seed=args.seed)
     report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir)
     if rank != 0:  # rank 0 holds every tuned layer, saves and reports
-        return {"rank": rank, "world_size": world}
+        return {"rank": rank, "world_size": world, "tuning": report["tuning"], "peak_rss_bytes": peak_rss(),
+                "seconds": time.perf_counter() - t0}
     after = count_params(model)
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=inputs)
     report.update(model=loaded.source, out=args.out, mlp_params_before=before["mlp"], mlp_params_after=after["mlp"],
-                  params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0)
+                  params_before=before["total"], params_after=after["total"], seconds=time.perf_counter() - t0,
+                  peak_rss_bytes=peak_rss())
     # the per-layer error, drawn into the output folder (beside the model, not one of its files)
     report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
     return report

@@ -422,6 +422,7 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     from ..files import model_fingerprint
 
     sites = find_sites(model)
+    capture.consolidate()  # its rows once in memory, not once in chunks and once joined
     data = {i: capture.layer(i) for i in layers}
     n = len(next(iter(data.values()))[0])
     batch = min(cfg.tune_batch, n)
