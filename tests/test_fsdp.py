@@ -217,3 +217,43 @@ def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
     for code, log in ranks(tmp_path, lock_args(tmp_path, out, "--layers", "0")):
         assert code == 2 and "2 ranks for 1 locked layers" in log, log[-2000:]
     assert not os.path.exists(out)
+
+
+def test_a_sharded_run_with_dropout_resumed_under_as_many_ranks_replays_the_uninterrupted_one(tmp_path):
+    """Each rank draws its own dropout masks; its generator state is checkpointed, so the resumed run is the same."""
+
+    def target(ckpt, out, stop_at=None):
+        def run():
+            parallel.init("cpu")
+            model = tiny_model("gpt2", resid_pdrop=0.3, embd_pdrop=0.3)
+            torch.manual_seed(parallel.world()[0])  # the ranks' generators differ, as they may in any launch
+            model.train()
+            parallel.shard(model)
+            base = lm_loss(model, _blocks(), BATCH)
+
+            def loss_fn(step):
+                if stop_at is not None and step == stop_at:
+                    raise KeyboardInterrupt
+                return base(step)
+
+            try:
+                res = fit(trainable(model), loss_fn, _cfg(), checkpoint_dir=ckpt, progress=False)
+            except KeyboardInterrupt:
+                return 0
+            parallel.unshard(model)
+            if parallel.world()[0] == 0:
+                torch.save({"history": res.history, "state": model.state_dict(), "from": res.resumed_from}, out)
+            return 0
+
+        return run
+
+    for args in ((str(tmp_path / "a"), str(tmp_path / "whole.pt")), (str(tmp_path / "b"), "", 3),
+                 (str(tmp_path / "b"), str(tmp_path / "resumed.pt"))):
+        results = run_ranks(tmp_path, target(*args))
+        assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert resumed["from"] == 2
+    for a, b in zip(whole["history"], resumed["history"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
+    for name, t in whole["state"].items():
+        torch.testing.assert_close(resumed["state"][name], t, rtol=1e-5, atol=1e-7, msg=name)
