@@ -8,6 +8,9 @@ difference between the two saved models' weights.
 --what fuse: `mlpsurgery fuse` with layer-wise tuning (split by layer over the ranks). Per process: its tuned
 layers' captured activations, trained parameters, gradients and AdamW moments, its peak resident memory, the wall
 time; the tuning's MSE before / after and every layer's error in both runs, and the largest weight difference.
+--what attack: `mlpsurgery attack dlr LOCKED` (its fine-tuning runs sharded with FSDP2; a locked folder made by
+`mlpsurgery lock dlr`, --locked). Per attack run: one rank's step peak memory and seconds against one process's, the
+training and held-out losses of both; per process: peak resident memory and wall time.
 --what lock-dlr: `mlpsurgery lock dlr` (phase 1 split by layer, phase 2 sharded; --phase1-hard-fraction 0, so
 that each layer's net is the one-process net). Per process: peak resident memory and wall time; the stage
 times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference.
@@ -15,6 +18,8 @@ times, the held-out perplexity ratio and per-layer errors of both runs, and the 
     python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
         --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
     python benchmarks/fsdp.py --what fuse --json docs/results/fsdp-fuse-smollm2.json --md docs/results/fsdp-fuse-smollm2.md
+    python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
+        --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
     python benchmarks/fsdp.py --render docs/results/fsdp-smollm2.json     # the markdown again from the JSON
 
@@ -122,7 +127,33 @@ def render_fuse(res: dict) -> str:
         f"{res['max_weight_diff']:.1e}."]) + "\n"
 
 
+ATTACK = ["--attacks", "finetune,checkpointing,lora", "--lrs", "1e-4", "--steps", "6", "--batch", "2",
+          "--block-len", "128", "--train-blocks", "32", "--eval-blocks", "4"]
+
+
+def render_attack(res: dict) -> str:
+    procs = ["| run | process | peak RSS | wall |", "|---|---|---|---|"]
+    for name, ps, wall in (("one process", res["one"], res["one_seconds"]),
+                           (f"torchrun, {res['ranks']} ranks (FSDP2)", res["sharded"], res["sharded_seconds"])):
+        for p in ps:
+            procs.append(f"| {name} | rank {p['rank']} | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
+    rows = ["| attack run | step peak, one process | step peak, one rank | s / step, one process | s / step, one rank "
+            "| training loss at the last step, one process / sharded | held-out loss at the end, one process / sharded |",
+            "|---|---|---|---|---|---|---|"]
+    sharded = {r["attack"]: r for r in res["table_sharded"]}
+    for a in res["table_one"]:
+        b = sharded[a["attack"]]
+        rows.append(f"| {a['attack']} | {a['step peak MiB']:.0f} MiB | {b['step peak MiB']:.0f} MiB "
+                    f"({b['step peak MiB'] / a['step peak MiB']:.2f}x) | {a['s / step']:.2f} | {b['s / step']:.2f} | "
+                    f"{res['last_loss_one'][a['attack']]:.4f} / {res['last_loss_sharded'][a['attack']]:.4f} | "
+                    f"{a['held-out loss end']:.4f} / {b['held-out loss end']:.4f} |")
+    return "\n".join([f"`mlpsurgery attack dlr {res['locked']} {' '.join(res['args'])}`; machine: {res['machine']}; "
+                      f"torch {res['torch']}.", "", *procs, "", *rows]) + "\n"
+
+
 def render(res: dict) -> str:
+    if res.get("what") == "attack":
+        return render_attack(res)
     if res.get("what") == "lock-dlr":
         return render_lock(res)
     if res.get("what") == "fuse":
@@ -194,6 +225,26 @@ def bench_fuse(args, work: Path) -> dict:
             "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
 
 
+def bench_attack(args, work: Path) -> dict:
+    if not args.locked:
+        sys.exit("--what attack needs --locked FOLDER (made by `mlpsurgery lock dlr`)")
+    common = ["attack", "dlr", args.locked, *ATTACK, "--json", "--quiet"]
+    one, one_s, sharded, sharded_s = _both(args, common, work)
+    main0 = next(o for o in sharded if "out" in o)
+
+    def last(out: str) -> dict:  # each run's training loss at its last step, from the per-run files
+        rows = json.loads((work / out / "suite.json").read_text())["attacks"]
+        return {r["name"]: r["history"][-1]["loss"] for r in rows}
+
+    return {"what": "attack", "locked": args.locked, "args": ATTACK, "ranks": args.ranks, **_machine(),
+            "one_seconds": one_s, "sharded_seconds": sharded_s,
+            "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"]}],
+            "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"]} for o in sharded),
+                              key=lambda p: p["rank"]),
+            "table_one": one[0]["table"], "table_sharded": main0["table"],
+            "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
+
+
 def bench_nest(args, work: Path) -> dict:
     common = ["nest", args.model, "--train-steps", str(args.steps), "--batch-size", str(args.batch_size),
               "--block-len", str(args.block_len), "--json", "--quiet"]
@@ -213,7 +264,8 @@ def bench_nest(args, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--what", choices=["nest", "lock-dlr", "fuse"], default="nest")
+    ap.add_argument("--what", choices=["nest", "lock-dlr", "fuse", "attack"], default="nest")
+    ap.add_argument("--locked", help="--what attack: a folder written by `mlpsurgery lock dlr`")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -228,7 +280,8 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     try:
-        res = {"lock-dlr": bench_lock, "fuse": bench_fuse, "nest": bench_nest}[args.what](args, work)
+        res = {"lock-dlr": bench_lock, "fuse": bench_fuse, "nest": bench_nest, "attack": bench_attack}[args.what](
+            args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = render(res)

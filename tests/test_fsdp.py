@@ -3,6 +3,8 @@ losses and gradient norms step by step, the same trained weights, each rank hold
 gradient and optimizer bytes; checkpoints hold full tensors, so a run stopped under two ranks resumes in one; the
 model comes back plain (saved and reloaded as the stock class); bad launches are refused on every rank."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -257,3 +259,70 @@ def test_a_sharded_run_with_dropout_resumed_under_as_many_ranks_replays_the_unin
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
     for name, t in whole["state"].items():
         torch.testing.assert_close(resumed["state"][name], t, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---- DLR-Lock's attack suite: every fine-tuning run sharded over the ranks --------------------------------------
+
+
+def _blocks_of(n, seed, t=32):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_attack_suite_sharded_over_two_ranks_equals_one_process(tmp_path):
+    from mlpsurgery.methods import dlr_lock as dl
+
+    original, locked = tiny_model("llama"), tiny_model("llama")
+    dl.dlr_lock(locked, _blocks_of(16, 0), _blocks_of(8, 1),
+                dl.DLRConfig(rank=8, calib_blocks=16, block_len=32, phase1_steps=20, phase1_lr=1e-2,
+                             phase1_tokens=128, phase2_steps=0, top_k=8, gradient_checkpointing=False, compile=False),
+                tmp_path / "w", progress=False)
+    cfg = dl.AttackSuiteConfig(steps=3, batch=2, eval_every=3, lrs=(1e-3,), reverse_steps=20)
+    train, held = _blocks_of(32, 3), _blocks_of(4, 4)
+    one = dl.attack_suite(original, locked, train, held, cfg, tmp_path / "one", progress=False)
+
+    def target():
+        parallel.init("cpu")
+        dl.attack_suite(original, locked, train, held, cfg, tmp_path / "two", progress=False)
+        return 0
+
+    results = run_ranks(tmp_path, target)
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    # rank 0 wrote every run; a rerun in one process resumes from them (they are the suite's files)
+    two = dl.attack_suite(original, locked, train, held, cfg, tmp_path / "two", progress=False)
+    assert [r["name"] for r in two["attacks"]] == [r["name"] for r in one["attacks"]]
+    assert "reverse-distilled locked" in {r["name"] for r in two["attacks"]}  # the reverse route, sharded too
+    for a, b in zip(one["attacks"], two["attacks"]):
+        assert b["notes"]["world_size"] == 2 and a["trainable_params"] == b["trainable_params"], a["name"]
+        for x, y in zip(a["history"], b["history"], strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), (a["name"], x["step"])
+        for x, y in zip(a["eval"], b["eval"], strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), (a["name"], x["step"])
+        assert 0 < b["step_peak_bytes"] < a["step_peak_bytes"], a["name"]  # one rank's share of the step
+    assert two["reverse"]["relative_error"] == pytest.approx(one["reverse"]["relative_error"], rel=1e-4)
+
+
+def test_cli_attack_dlr_over_two_ranks(tmp_path):
+    from mlpsurgery.cli import main
+
+    locked = str(tmp_path / "locked")
+    assert main(lock_args(tmp_path, locked, "--phase2-steps", "0", "--onpolicy-steps", "0", "--eval-tokens", "0")) == 0
+    attack = ["attack", "dlr", locked, "--attacks", "finetune,lora", "--lrs", "1e-3", "--steps", "2", "--block-len",
+              "32", "--train-blocks", "8", "--eval-blocks", "2", "--data", str(tmp_path / "t.txt"), "--json", "--quiet"]
+    out = str(tmp_path / "att")
+    for code, log in ranks(tmp_path, attack + ["--out", out, "--batch", "3"]):  # refused on every rank
+        assert code == 2 and "does not split evenly over 2 ranks" in log, log[-2000:]
+    assert not os.path.exists(out)
+    (c0, log0), (c1, log1) = ranks(tmp_path, attack + ["--out", out, "--batch", "2"])
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    r0 = _json(log0)
+    assert r0["world_size"] == 2 and {k: v for k, v in _json(log1).items() if k != "peak_rss_bytes"} == \
+        {"rank": 1, "world_size": 2}
+    assert {row["attack"] for row in r0["table"]} == {"finetune lr=0.001 original", "finetune lr=0.001 locked",
+                                                     "LoRA attention original", "LoRA attention locked",
+                                                     "LoRA on DLR locked"}
+    assert os.path.isfile(os.path.join(out, "adaptation.json")) and os.path.isfile(os.path.join(out, "attacks.md"))
+    # the results belong to a two-rank run (the seconds and memory are one rank's): one process does not reuse them
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        assert main(attack + ["--out", out, "--batch", "2"]) == 2
+    assert "made with other settings or another model (world_size)" in buf.getvalue(), buf.getvalue()

@@ -180,11 +180,17 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
     skeleton = copy.deepcopy(model, memo)
     device = torch.device(device)
     mesh = init_device_mesh(device.type, (size,))
-    for layer in find_sites(model).layers():
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper: its model's
+    for layer in find_sites(base).layers():  # layers (with their adapters) are the units
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     _SKELETONS[id(model)] = skeleton
     return model
+
+
+def release(model: nn.Module) -> None:
+    """Forget a sharded model that is being dropped without unsharding it (its skeleton, kept for `unshard`)."""
+    _SKELETONS.pop(id(model), None)
 
 
 def unshard(model: nn.Module, keep_on: int | None = None) -> nn.Module:
@@ -248,6 +254,18 @@ def sum_over_ranks(values: Tensor) -> Tensor:
 def mean_over_ranks(values: Tensor) -> Tensor:
     """The element-wise mean of `values` over the ranks (a collective); unchanged without a process group."""
     return sum_over_ranks(values) / world()[1]
+
+
+def from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a collective; picklable, tensors on the CPU); `obj` without a process group."""
+    import torch.distributed as dist
+
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    nccl = dist.get_backend() == "nccl"
+    dist.broadcast_object_list(box, src=0, device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+    return box[0]
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:

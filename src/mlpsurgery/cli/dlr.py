@@ -146,9 +146,12 @@ def render_lock(r: dict) -> str:
 def run_attack(args) -> dict:
     from dataclasses import asdict
 
+    from .. import parallel
+
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, write_text
     from ..io import check_source, history, source_spec
+    from ..measure.memory import peak_rss
     from ..methods.dlr_lock import (AttackSuiteConfig, adaptation_costs, attack_suite, attack_table, plot_adaptation,
                                     plot_attack_suite)
     from ..models import check_context, load_model
@@ -164,7 +167,14 @@ def run_attack(args) -> dict:
                             reverse_layers=args.reverse_layers, reverse_steps=args.reverse_steps, seed=args.seed)
     cfg.validate()
     out = Path(args.out)
-    check_state(out, [args.locked, args.original, args.data], what="attack results")
+    dev = device_of(args)
+    if parallel.launched():  # torchrun: every fine-tuning run sharded over the ranks (FSDP2)
+        dev = parallel.rank_device(dev)
+        parallel.init(dev)
+    rank, world = parallel.world()
+    if rank != 0:
+        args.quiet = True  # rank 0 shows the stages and progress
+    parallel.on_rank0(lambda: check_state(out, [args.locked, args.original, args.data], what="attack results"))
     stage(args, f"loading {args.locked} and its original")
     locked = load_model(args.locked)
     original_spec = args.original or source_spec(locked.model)
@@ -174,19 +184,26 @@ def run_attack(args) -> dict:
     original = load_model(original_spec)
     check_source(locked.model, original.model, original_spec)
     check_context(locked.model, args.block_len)
-    dev = device_of(args)
+    if world > 1 and args.batch % world:
+        raise MLPSurgeryError(f"a batch of {args.batch} does not split evenly over {world} ranks; give a --batch that "
+                              f"is a multiple of {world}")
     locked.model.to(dev)
     original.model.to(dev)
     tok = locked.require_tokenizer()
     corpus = load_corpus(args.data, tok)
     train = corpus.blocks("train", args.block_len, max_blocks=args.train_blocks, seed=args.seed + 2)
     held = corpus.blocks("heldout", args.block_len, max_blocks=args.eval_blocks, seed=args.seed + 3)
-    # Results already in --out are reused only for the same attacks on the same two models and data.
-    claim(out, "dlr-attacks", {"config": asdict(cfg), "locked": model_fingerprint(locked.model),
-                               "original": model_fingerprint(original.model), "data": corpus.source,
-                               "block_len": args.block_len, "train_blocks": args.train_blocks,
-                               "eval_blocks": args.eval_blocks}, inputs=[args.locked, original_spec, args.data])
+    # Results already in --out are reused only for the same attacks on the same two models and data (and as many
+    # ranks: the seconds and memory are one rank's).
+    settings = {"config": asdict(cfg), "locked": model_fingerprint(locked.model),
+                "original": model_fingerprint(original.model), "data": corpus.source, "block_len": args.block_len,
+                "train_blocks": args.train_blocks, "eval_blocks": args.eval_blocks,
+                **({"world_size": world} if world > 1 else {})}
+    parallel.same_on_every_rank("models, data or settings", settings)
+    parallel.on_rank0(lambda: claim(out, "dlr-attacks", settings, inputs=[args.locked, original_spec, args.data]))
     suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
+    if rank != 0:  # rank 0 writes the tables and plots and reports
+        return {"rank": rank, "world_size": world, "peak_rss_bytes": peak_rss()}
     rows = attack_table(suite)
     lock = [h for h in history(locked.model) if h.get("method") == "dlr_lock"]
     defender = sum(h["provenance"].get("distillation_seconds", 0.0) for h in lock) or None
@@ -201,7 +218,7 @@ def run_attack(args) -> dict:
         costs["plot"] = draw("adaptation", lambda: plot_adaptation(suite, costs, out / "adaptation.png")
                              or out / "adaptation.png")
     return {"table": rows, "reverse": suite["reverse"], "adaptation": costs, "plot": plot, "out": str(out),
-            "locked": args.locked, "original": original_spec}
+            "locked": args.locked, "original": original_spec, "world_size": world, "peak_rss_bytes": peak_rss()}
 
 
 def _all_or_count(text: str) -> int | None:
@@ -221,6 +238,8 @@ def _seconds(v) -> str:
 
 
 def render_attack(r: dict) -> str:
+    if "out" not in r:  # a torchrun rank other than 0
+        return f"rank {r['rank']} of {r['world_size']} done"
     lines = [table(r["table"])]
     rev = r["reverse"]
     if rev:

@@ -4,7 +4,8 @@
 steps and wall-clock time, the held-out loss at intervals, the peak memory of one training step and
 whether the run diverged. Variants are expressed by `prepare(model) -> model`, applied to the copy before
 training: freeze parameters, wrap with LoRA (`lora`), switch on gradient checkpointing. The original model
-is never modified.
+is never modified. Under torchrun the copy is sharded over the ranks (FSDP2, after `prepare`), each rank takes its
+share of every batch, and the cost measured is one rank's: its seconds and its peak memory.
 """
 
 from __future__ import annotations
@@ -99,17 +100,27 @@ def freeze(predicate: Callable[[str], bool]) -> Callable[[nn.Module], nn.Module]
 
 def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor, cfg: AttackConfig, name: str = "",
                     prepare: Callable[[nn.Module], nn.Module] | None = None, progress: bool = True) -> AttackResult:
-    """Fine-tune a copy of `model` on `train_blocks` as an attacker would, measuring cost and progress."""
+    """Fine-tune a copy of `model` on `train_blocks` as an attacker would, measuring cost and progress (under
+    torchrun with several ranks: sharded with FSDP2, every rank calling it with the same arguments)."""
+    from .. import parallel
+
     m = copy.deepcopy(model)
     for p in m.parameters():
         p.requires_grad_(True)
+    torch.manual_seed(cfg.seed)  # what `prepare` draws (LoRA's A matrices) is the same in every run and on every rank
     if prepare is not None:
         m = prepare(m)
     if cfg.gradient_checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sharded = parallel.world()[1] > 1
+    if sharded:  # FSDP splits each rank's copy: they must be the same model
+        from ..files import model_fingerprint
+
+        parallel.same_on_every_rank("models to attack", model_fingerprint(m))
+        parallel.shard(m, next(m.parameters()).device)
     m.train()
     params = trainable(m)
-    sample = train_blocks[:cfg.batch]
+    sample = parallel.rows(train_blocks[:cfg.batch], m)  # one rank's share of a step's batch when sharded
     probe = measure_cost(m, sample, repeats=1, warmup=1, memory=cfg.measure_memory)
     m.train()
     evals = [(0, mean_nll(m, eval_blocks))]
@@ -123,6 +134,8 @@ def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
             state["eval_s"] += time.perf_counter() - t
         loss = base(step)
         value = float(loss.detach())
+        if sharded:  # every rank decides on divergence from the same number: the loss one process would see
+            value = float(parallel.mean_over_ranks(loss.detach().double().reshape(1)))
         if state["first"] is None:
             state["first"] = value
         if not math.isfinite(value) or value > state["first"] + cfg.divergence_nats:
@@ -142,7 +155,11 @@ def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
                  for s, v in evals]
     step_times = [b["time_s"] - a["time_s"] for a, b in zip(hist, hist[1:])]
     step_s = sorted(step_times)[len(step_times) // 2] if step_times else probe.step_s
+    notes = {"stopped": res.stopped_early} if diverged else {}
+    parallel.release(m)
+    if sharded:
+        notes["world_size"] = parallel.world()[1]  # step_peak_bytes and the seconds are one rank's
     return AttackResult(name=name, config=asdict(cfg), history=hist, eval=eval_hist,
                         step_peak_bytes=probe.step_peak_bytes, step_seconds=step_s,
-                        trainable_params=sum(p.numel() for p in params.values()), diverged=diverged,
-                        seconds=res.seconds, notes={"stopped": res.stopped_early} if diverged else {})
+                        trainable_params=sum(int(p.numel()) for p in params.values()), diverged=diverged,
+                        seconds=res.seconds, notes=notes)

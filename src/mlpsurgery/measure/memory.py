@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_leaves
 
 
 def _storage_bytes(t: Tensor) -> tuple[int, int]:
+    if type(t) is not Tensor and type(t).__name__ == "DTensor":  # a sharded tensor (FSDP2): this rank's shard
+        t = t.to_local()
     st = t.untyped_storage()
     return st.data_ptr(), st.nbytes()
 
@@ -85,6 +87,8 @@ class PeakTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and t.device.type != "meta":
+                if type(t) is not Tensor and type(t).__name__ == "DTensor":
+                    t = t.to_local()
                 st = t.untyped_storage()
                 ptr, n = st.data_ptr(), st.nbytes()
                 if ptr and ptr not in self._known:

@@ -153,12 +153,29 @@ class AttackSuiteConfig:
 def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
                  cfg: AttackSuiteConfig, out_dir: str | Path, progress: bool = True) -> dict:
     """Run every attack on both models; each finished run is written to out_dir/<name>.json, and a rerun
-    skips what is there (an interrupted suite resumes)."""
+    skips what is there (an interrupted suite resumes).
+
+    Under torchrun (every rank calling it with the same models and data) each fine-tuning run is sharded over the
+    ranks (FSDP2, `finetune_attack`) and rank 0 decides what is done, writes the results and returns the suite (the
+    other ranks get rank 0's). Reverse distillation is not split: every rank distils every layer, as one process
+    does (the same arithmetic), so that each holds the dense sub-blocks its shard of the reverse route needs."""
+    from ... import parallel
     from ...measure.attacks import AttackConfig, finetune_attack, freeze, lora
 
     cfg.validate()
+    rank, _ = parallel.world()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def done(path: Path, *more: Path):  # rank 0's reading of a finished result, on every rank (None: not done)
+        found = rank == 0 and path.exists() and all(p.exists() for p in more)
+        return parallel.from_rank0(json.loads(path.read_text()) if found else None)
+
+    def write(path: Path, row: dict) -> dict:  # rank 0 writes; every rank goes on with what a resumed suite reads
+        if rank == 0:
+            atomic_write_text(path, json.dumps(row))
+        return json.loads(json.dumps(row))
     spec = find_sites(locked).spec
     attn_targets = [n.rpartition(".")[2] for n in ([spec.q, spec.v] if spec.q else [spec.qkv])]
     mlp_names = {n for n, _ in _dlr_modules(locked)}
@@ -195,42 +212,46 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
     results = []
     for family, name, model, kw, prepare in jobs:
         path = out / (name.replace(" ", "_").replace("=", "") + ".json")
-        if path.exists():
-            results.append(json.loads(path.read_text()))
+        row = done(path)
+        if row is not None:
+            results.append(row)
             continue
         acfg = AttackConfig(steps=cfg.steps, batch=cfg.batch, eval_every=cfg.eval_every, seed=cfg.seed, **kw)
-        res = finetune_attack(model, train_blocks, eval_blocks, acfg, name=name, prepare=prepare, progress=progress)
-        row = {**res.as_dict(), "family": family}
-        atomic_write_text(path, json.dumps(row))
-        results.append(json.loads(path.read_text()))  # as a resumed suite will read it (JSON keys and lists)
+        res = finetune_attack(model, train_blocks, eval_blocks, acfg, name=name, prepare=prepare,
+                              progress=progress and rank == 0)
+        results.append(write(path, {**res.as_dict(), "family": family}))  # as a resumed suite will read it
     reverse = None
     if "reverse" in cfg.attacks:
         from safetensors.torch import load_file, save_file
 
         path, weights = out / "reverse_distillation.json", out / "reverse_distilled.safetensors"
-        if path.exists() and weights.exists():
-            reverse, parts = json.loads(path.read_text()), load_file(weights)
+        reverse = done(path, weights)
+        if reverse is not None:
+            parts = parallel.from_rank0(load_file(weights) if rank == 0 else None)
         else:
             layers = [s.index for s in find_sites(locked).mlp if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
-            rev = reverse_distill(locked, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed, progress=progress)
+            rev = reverse_distill(locked, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed,
+                                  progress=progress and rank == 0)
             reverse, parts = rev.as_dict(), rev.parts
             reverse["locked_layers"] = len(mlp_names)
             reverse["estimated_seconds_all_layers"] = rev.seconds_per_layer * len(mlp_names)
-            save_file({k: v.contiguous() for k, v in parts.items()}, str(weights))
-            atomic_write_text(path, json.dumps(reverse))
-            reverse = json.loads(path.read_text())
+            if rank == 0:
+                save_file({k: v.contiguous() for k, v in parts.items()}, str(weights))
+            reverse = write(path, reverse)
         if len(reverse["layers"]) == len(mlp_names):  # every DLR-Net distilled back: fine-tune the dense model
             name = "reverse-distilled locked"
             run = out / (name.replace(" ", "_") + ".json")
-            if not run.exists():
+            row = done(run)
+            if row is None:
                 acfg = AttackConfig(steps=cfg.steps, batch=cfg.batch, eval_every=cfg.eval_every, seed=cfg.seed,
                                     lr=cfg.variant_lr)
-                res = finetune_attack(locked, train_blocks, eval_blocks, acfg, name=name, progress=progress,
+                res = finetune_attack(locked, train_blocks, eval_blocks, acfg, name=name,
+                                      progress=progress and rank == 0,
                                       prepare=lambda m: install_reversed(m, reverse["layers"], parts))
-                row = {**res.as_dict(), "family": f"reverse distillation, then fine-tuning lr={cfg.variant_lr:g}",
-                       "offset_seconds": reverse["seconds"]}  # the distillation comes first, on the attacker's clock
-                atomic_write_text(run, json.dumps(row))
-            results.append(json.loads(run.read_text()))
+                row = write(run, {**res.as_dict(), "family": f"reverse distillation, then fine-tuning "
+                                  f"lr={cfg.variant_lr:g}", "offset_seconds": reverse["seconds"]})
+                # the distillation comes first, on the attacker's clock
+            results.append(row)
     return {"attacks": results, "reverse": reverse, "config": asdict(cfg)}
 
 
