@@ -107,9 +107,11 @@ def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
     m = copy.deepcopy(model)
     for p in m.parameters():
         p.requires_grad_(True)
-    torch.manual_seed(cfg.seed)  # what `prepare` draws (LoRA's A matrices) is the same in every run and on every rank
-    if prepare is not None:
-        m = prepare(m)
+    if prepare is not None:  # what it draws (LoRA's A matrices) is the same in every run and on every rank
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):  # the caller's generators go on as they were
+            torch.manual_seed(cfg.seed)
+            m = prepare(m)
     if cfg.gradient_checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sharded = parallel.world()[1] > 1
