@@ -17,6 +17,23 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
         "must be in want of a wife. However little known the feelings or views of such a man may be.")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None,
+                     help="run tests/test_device.py on this device (cuda, cuda:N) against the CPU; --device cpu runs "
+                          "them here, CPU against CPU, to check the tests themselves")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The device of tests/test_device.py (--device); those tests skip without it."""
+    name = request.config.getoption("--device")
+    if name is None:
+        pytest.skip("device tests run with --device cuda (or --device cpu to check them on the CPU)")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.fail(f"--device {name}, but torch sees no CUDA device")
+    return name
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return byte_tokenizer()
