@@ -117,10 +117,10 @@ def _cfg(**kw):
     return FitConfig(steps=STEPS, lr=3e-3, seed=0, clip=0.05, checkpoint_every=2, **kw)  # clip: it acts every step
 
 
-def _sharded_fit(ckpt: str, out: str, stop_at: int | None = None):
+def _sharded_fit(ckpt: str, out: str, stop_at: int | None = None, setup=None):
     def target():
         parallel.init("cpu")
-        model = _setup()
+        model = (setup or _setup)()
         parallel.shard(model)
         base = lm_loss(model, _blocks(), BATCH)
 
@@ -135,7 +135,7 @@ def _sharded_fit(ckpt: str, out: str, stop_at: int | None = None):
             return 0
         parallel.unshard(model)
         if parallel.world()[0] == 0:
-            torch.save({"history": res.history, "state": model.state_dict()}, out)
+            torch.save({"history": res.history, "state": model.state_dict(), "from": res.resumed_from}, out)
         return 0
 
     return target
@@ -224,34 +224,14 @@ def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
 def test_a_sharded_run_with_dropout_resumed_under_as_many_ranks_replays_the_uninterrupted_one(tmp_path):
     """Each rank draws its own dropout masks; its generator state is checkpointed, so the resumed run is the same."""
 
-    def target(ckpt, out, stop_at=None):
-        def run():
-            parallel.init("cpu")
-            model = tiny_model("gpt2", resid_pdrop=0.3, embd_pdrop=0.3)
-            torch.manual_seed(parallel.world()[0])  # the ranks' generators differ, as they may in any launch
-            model.train()
-            parallel.shard(model)
-            base = lm_loss(model, _blocks(), BATCH)
-
-            def loss_fn(step):
-                if stop_at is not None and step == stop_at:
-                    raise KeyboardInterrupt
-                return base(step)
-
-            try:
-                res = fit(trainable(model), loss_fn, _cfg(), checkpoint_dir=ckpt, progress=False)
-            except KeyboardInterrupt:
-                return 0
-            parallel.unshard(model)
-            if parallel.world()[0] == 0:
-                torch.save({"history": res.history, "state": model.state_dict(), "from": res.resumed_from}, out)
-            return 0
-
-        return run
+    def setup():
+        model = tiny_model("gpt2", resid_pdrop=0.3, embd_pdrop=0.3)
+        torch.manual_seed(parallel.world()[0])  # the ranks' generators differ, as they may in any launch
+        return model.train()
 
     for args in ((str(tmp_path / "a"), str(tmp_path / "whole.pt")), (str(tmp_path / "b"), "", 3),
                  (str(tmp_path / "b"), str(tmp_path / "resumed.pt"))):
-        results = run_ranks(tmp_path, target(*args))
+        results = run_ranks(tmp_path, _sharded_fit(*args, setup=setup))
         assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
     whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
     assert resumed["from"] == 2

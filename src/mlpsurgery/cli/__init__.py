@@ -166,6 +166,21 @@ def device_of(args) -> str:
     return args.device
 
 
+def join_ranks(args, join: bool = True) -> tuple[str, int, int]:
+    """(device, rank, world size): under torchrun (and `join`), this process joins the group on its rank's device
+    (the GPU of its LOCAL_RANK on CUDA); ranks other than 0 go quiet (rank 0 shows the stages and progress)."""
+    from .. import parallel
+
+    device = device_of(args)
+    if join and parallel.launched():
+        device = parallel.rank_device(device)
+        parallel.init(device)
+    rank, world = parallel.world()
+    if rank != 0:
+        args.quiet = True
+    return device, rank, world
+
+
 def one_line(message: str) -> str:
     """The message on one line: control and line-break characters (which a damaged file can put into a
     message, e.g. U+0085) are shown escaped."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import table
-from . import command, device_of, draw, integer, model_name, number, stage
+from . import command, draw, integer, join_ranks, model_name, number, stage
 from .core import MODEL_HELP
 
 
@@ -32,13 +32,7 @@ def run_lock(args) -> dict:
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     inputs = [args.model, args.data, args.second_corpus]
-    device = device_of(args)
-    if parallel.launched():  # torchrun: phase 1 split by layer over the ranks, phase 2 sharded (FSDP2)
-        device = parallel.rank_device(device)
-        parallel.init(device)
-    rank, world = parallel.world()
-    if rank != 0:
-        args.quiet = True  # rank 0 shows the stages and progress
+    device, rank, world = join_ranks(args)  # torchrun: phase 1 split by layer over the ranks, phase 2 sharded
 
     def claims():  # rank 0's; every rank hears of a refusal
         check_out(out, args.overwrite, inputs=inputs + [work])
@@ -167,13 +161,7 @@ def run_attack(args) -> dict:
                             reverse_layers=args.reverse_layers, reverse_steps=args.reverse_steps, seed=args.seed)
     cfg.validate()
     out = Path(args.out)
-    dev = device_of(args)
-    if parallel.launched():  # torchrun: every fine-tuning run sharded over the ranks (FSDP2)
-        dev = parallel.rank_device(dev)
-        parallel.init(dev)
-    rank, world = parallel.world()
-    if rank != 0:
-        args.quiet = True  # rank 0 shows the stages and progress
+    dev, rank, world = join_ranks(args)  # torchrun: every fine-tuning run sharded over the ranks (FSDP2)
     parallel.on_rank0(lambda: check_state(out, [args.locked, args.original, args.data], what="attack results"))
     stage(args, f"loading {args.locked} and its original")
     locked = load_model(args.locked)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..report import human_count, plot_layers, table
-from . import command, device_of, draw, integer, model_name, number, progress, stage
+from . import command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -31,13 +31,8 @@ def run_fuse(args) -> dict:
     from ..models import check_context
 
     inputs = [args.model, args.tune_data]
-    device = device_of(args)
-    if parallel.launched() and not args.layerwise:  # torchrun: the layer-wise tuning split by layer over the ranks
-        device = parallel.rank_device(device)
-        parallel.init(device)
-    rank, world = parallel.world()
-    if rank != 0:
-        args.quiet = True  # rank 0 shows the stages and progress
+    # torchrun: the layer-wise tuning split by layer over the ranks
+    device, rank, world = join_ranks(args, join=not args.layerwise)
 
     def claims():  # rank 0's; every rank hears of a refusal
         check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
