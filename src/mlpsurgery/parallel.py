@@ -83,8 +83,7 @@ def on_rank0(prepare: Callable[[], Any]) -> Any:
             failure = e
     box = [None if failure is None else
            (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError))]
-    nccl = dist.get_backend() == "nccl"
-    dist.broadcast_object_list(box, src=0, device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+    dist.broadcast_object_list(box, src=0, device=_collective_device())
     if failure is not None:
         raise failure
     if box[0] is not None:
@@ -240,15 +239,36 @@ def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
     return batch[rank * per:(rank + 1) * per]
 
 
-def sum_over_ranks(values: Tensor) -> Tensor:
-    """The element-wise sum of `values` over the ranks (a collective); unchanged without a process group."""
+def _collective_device() -> torch.device | None:
+    """Where a collective's tensors must be: this rank's GPU under NCCL (which reduces no CPU tensor); None (where
+    they are) under gloo."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+
+
+def sum_over_ranks_(t: Tensor) -> Tensor:
+    """Sum `t` over the ranks in place (a collective; on the backend's device, and back); `t` alone without a
+    process group."""
     import torch.distributed as dist
 
     if world()[1] == 1:
+        return t
+    dev = _collective_device()
+    if dev is None or t.device == dev:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    else:
+        there = t.detach().to(dev)
+        dist.all_reduce(there, op=dist.ReduceOp.SUM)
+        t.copy_(there)
+    return t
+
+
+def sum_over_ranks(values: Tensor) -> Tensor:
+    """The element-wise sum of `values` over the ranks (a collective); unchanged without a process group."""
+    if world()[1] == 1:
         return values
-    out = values.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    return sum_over_ranks_(values.detach().clone())
 
 
 def mean_over_ranks(values: Tensor) -> Tensor:
@@ -263,8 +283,7 @@ def from_rank0(obj: Any) -> Any:
     if world()[1] == 1:
         return obj
     box = [obj]
-    nccl = dist.get_backend() == "nccl"
-    dist.broadcast_object_list(box, src=0, device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
+    dist.broadcast_object_list(box, src=0, device=_collective_device())
     return box[0]
 
 
@@ -276,6 +295,10 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     rank, size = world()
     if size == 1:
         return [obj]
+    if _collective_device() is not None:  # NCCL (older releases gather no objects): every rank gets them, 0 keeps
+        every: list[Any] = [None] * size
+        dist.all_gather_object(every, obj)
+        return every if rank == 0 else None
     out: list[Any] | None = [None] * size if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out

@@ -165,8 +165,6 @@ def _sharded_step(params: list[Tensor], clip: float | None) -> float:
     """What DDP and FSDP do between backward and the update, for a mix of sharded and plain parameters: plain
     gradients averaged over the ranks (FSDP averaged the sharded ones), then all scaled by one global norm clip.
     Returns the global gradient norm (the same on every rank, and the one a single process would see)."""
-    import torch.distributed as dist
-
     from . import parallel
 
     _, size = parallel.world()
@@ -178,10 +176,9 @@ def _sharded_step(params: list[Tensor], clip: float | None) -> float:
         if parallel.is_dtensor(p.grad):
             sharded_sq += p.grad.to_local().double().pow(2).sum().cpu()
         else:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(size)
+            parallel.sum_over_ranks_(p.grad).div_(size)
             plain_sq += p.grad.double().pow(2).sum().cpu()
-    dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM)
+    parallel.sum_over_ranks_(sharded_sq)  # on the backend's device (NCCL reduces no CPU tensor)
     norm = float((sharded_sq + plain_sq).sqrt())
     if clip:
         coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
@@ -203,13 +200,13 @@ def _sharded_step(params: list[Tensor], clip: float | None) -> float:
 def _partition_step(params: list[Tensor], clip: float | None) -> float:
     """The global gradient norm over every rank's own parameters (the one a single process would see), and the
     clip by it applied to this rank's gradients."""
-    import torch.distributed as dist
+    from . import parallel
 
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is not None:
             sq += p.grad.double().pow(2).sum().cpu()
-    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    parallel.sum_over_ranks_(sq)
     norm = float(sq.sqrt())
     if clip:
         coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
