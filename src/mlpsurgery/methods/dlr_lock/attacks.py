@@ -156,9 +156,9 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
     skips what is there (an interrupted suite resumes).
 
     Under torchrun (every rank calling it with the same models and data) each fine-tuning run is sharded over the
-    ranks (FSDP2, `finetune_attack`) and rank 0 decides what is done, writes the results and returns the suite (the
-    other ranks get rank 0's). Reverse distillation is not split: every rank distils every layer, as one process
-    does (the same arithmetic), so that each holds the dense sub-blocks its shard of the reverse route needs."""
+    ranks (FSDP2, `finetune_attack`); rank 0 decides what is done (a finished result is rank 0's on every rank),
+    writes the results and reports them. Reverse distillation is not split: every rank distils every layer, as one
+    process does, then takes rank 0's sub-blocks, so that every rank's copy of the reverse route is the same."""
     from ... import parallel
     from ...measure.attacks import AttackConfig, finetune_attack, freeze, lora
 
@@ -232,7 +232,7 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
             layers = [s.index for s in find_sites(locked).mlp if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
             rev = reverse_distill(locked, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed,
                                   progress=progress and rank == 0)
-            reverse, parts = rev.as_dict(), rev.parts
+            reverse, parts = parallel.from_rank0((rev.as_dict(), rev.parts))  # one distillation for every rank
             reverse["locked_layers"] = len(mlp_names)
             reverse["estimated_seconds_all_layers"] = rev.seconds_per_layer * len(mlp_names)
             if rank == 0:
