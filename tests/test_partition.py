@@ -216,3 +216,19 @@ def test_bad_fuse_launches_are_refused_on_every_rank(tmp_path, drop, extra, mess
     for code, log in ranks(tmp_path, argv):
         assert code == 2 and message in log, log[-2000:]
     assert not os.path.exists(out)
+
+
+def test_a_rank_that_finds_no_checkpoint_is_refused_not_run_out_of_step(tmp_path):
+    """Ranks on file systems of their own: rank 0 finds the checkpoint, rank 1 does not; both refuse."""
+    ckpt = str(tmp_path / "ck")
+    with pytest.raises(KeyboardInterrupt):
+        _run(ckpt, stop_at=3)
+
+    def target():
+        parallel.init("cpu")
+        rank = parallel.world()[0]
+        _run(ckpt if rank == 0 else str(tmp_path / "elsewhere"), "ac" if rank == 0 else "b")
+        return 0
+
+    for code, log in run_ranks(tmp_path, target):
+        assert code == 1 and "different checkpoints (the step to resume from)" in log, log[-2000:]

@@ -327,8 +327,9 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         stray = [n for n in names if n not in set(order)]
         if stray or len(set(order)) != len(order):
             raise MLPSurgeryError(f"parameters {stray[:3]} are not in the partition, or it names one twice")
-        if sharded or (partitioned and optimizer_groups):
-            raise MLPSurgeryError("partitioned training takes plain parameters in one AdamW group")
+        if sharded or (partitioned and (optimizer_groups or on_checkpoint or on_resume)):
+            raise MLPSurgeryError("partitioned training takes plain parameters in one AdamW group, and no extra "
+                                  "checkpoint state (only rank 0's would be kept)")
         if partitioned:
             covered = [n for part in parallel.all_gather(names) for n in part]
             if sorted(covered) != sorted(order):
@@ -384,6 +385,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         history, start, elapsed = state["history"], state["step"], state["seconds"]
         if on_resume is not None:
             on_resume(state.get("extra", {}))
+    if distributed:  # a rank that found no checkpoint (another file system) would step out of line with the others
+        parallel.same_on_every_rank("checkpoints (the step to resume from)", start)
 
     def write(step: int, seconds: float, rng: dict | None = None):
         if ckpt is None:
