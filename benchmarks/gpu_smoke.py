@@ -94,7 +94,8 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=5e8, help="parameters of the synthetic llama (5e8)")
     ap.add_argument("--d", type=int, help="its width (default: by size, as write_synthetic chooses)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of the CPU runs")
-    ap.add_argument("--only", help="comma-separated command names to run (default: all)")
+    ap.add_argument("--only", help="comma-separated command names to run (default: all); unlock, export and nest "
+                                   "rank read what lock key, fuse neuron and nest wrote: name those too")
     ap.add_argument("--json")
     ap.add_argument("--md")
     args = ap.parse_args()
