@@ -68,8 +68,6 @@ def on_rank0(prepare: Callable[[], Any]) -> Any:
     another for work. A refusal on rank 0 is raised on every rank with the same class and message, so each
     process ends with the one-line error (exit status 2) instead of the others dying on a closed connection.
     Call it on every rank; the others get None. Without torch.distributed it is just `prepare()`."""
-    import torch.distributed as dist
-
     from . import errors
 
     rank, size = world()
@@ -81,13 +79,12 @@ def on_rank0(prepare: Callable[[], Any]) -> Any:
             out = prepare()
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
             failure = e
-    box = [None if failure is None else
-           (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError))]
-    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    told = from_rank0(None if failure is None else
+                      (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError)))
     if failure is not None:
         raise failure
-    if box[0] is not None:
-        name, message, user = box[0]
+    if told is not None:
+        name, message, user = told
         klass = getattr(errors, name, None) if user else None
         if not (isinstance(klass, type) and issubclass(klass, MLPSurgeryError)):
             klass = MLPSurgeryError if user else RuntimeError
@@ -225,6 +222,14 @@ def unshard(model: nn.Module, keep_on: int | None = None) -> nn.Module:
     return model
 
 
+def check_split(n: int, flag: str = "--batch-size") -> None:
+    """Refuse a batch of `n` that the ranks cannot share equally (`flag`: the option that sets it)."""
+    size = world()[1]
+    if n % size:
+        raise MLPSurgeryError(f"a batch of {n} does not split evenly over {size} ranks; give a {flag} that "
+                              f"is a multiple of {size}")
+
+
 def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
     """This rank's share of a step's batch while `model` is sharded (the batch unchanged otherwise): the global
     batch split in order into equal parts, so the ranks together see exactly one process's batch."""
@@ -232,9 +237,7 @@ def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
         return batch
     rank, size = world()
     n = len(batch)
-    if n % size:
-        raise MLPSurgeryError(f"a batch of {n} does not split evenly over {size} ranks; give a --batch-size that "
-                              f"is a multiple of {size}")
+    check_split(n)
     per = n // size
     return batch[rank * per:(rank + 1) * per]
 
@@ -296,8 +299,7 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     if size == 1:
         return [obj]
     if _collective_device() is not None:  # NCCL (older releases gather no objects): every rank gets them, 0 keeps
-        every: list[Any] = [None] * size
-        dist.all_gather_object(every, obj)
+        every = all_gather(obj)
         return every if rank == 0 else None
     out: list[Any] | None = [None] * size if rank == 0 else None
     dist.gather_object(obj, out, dst=0)

@@ -179,7 +179,14 @@ def _sharded_step(params: list[Tensor], clip: float | None) -> float:
             parallel.sum_over_ranks_(p.grad).div_(size)
             plain_sq += p.grad.double().pow(2).sum().cpu()
     parallel.sum_over_ranks_(sharded_sq)  # on the backend's device (NCCL reduces no CPU tensor)
-    norm = float((sharded_sq + plain_sq).sqrt())
+    return _clip_to(params, float((sharded_sq + plain_sq).sqrt()), clip)
+
+
+def _clip_to(params: list[Tensor], norm: float, clip: float | None) -> float:
+    """Scale this rank's gradients (its shards of sharded ones) by the clip of a global norm computed across the
+    ranks, as torch.nn.utils.clip_grad_norm_ scales them; returns the norm."""
+    from . import parallel
+
     if clip:
         coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1:
@@ -207,14 +214,7 @@ def _partition_step(params: list[Tensor], clip: float | None) -> float:
         if p.grad is not None:
             sq += p.grad.double().pow(2).sum().cpu()
     parallel.sum_over_ranks_(sq)
-    norm = float(sq.sqrt())
-    if clip:
-        coef = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-        if coef < 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return norm
+    return _clip_to(params, float(sq.sqrt()), clip)
 
 
 def _gather_partition(names: list[str], order: list[str], tensors: dict[str, Tensor], optim: dict,

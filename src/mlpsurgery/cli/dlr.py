@@ -172,9 +172,7 @@ def run_attack(args) -> dict:
     original = load_model(original_spec)
     check_source(locked.model, original.model, original_spec)
     check_context(locked.model, args.block_len)
-    if world > 1 and args.batch % world:
-        raise MLPSurgeryError(f"a batch of {args.batch} does not split evenly over {world} ranks; give a --batch that "
-                              f"is a multiple of {world}")
+    parallel.check_split(args.batch, "--batch")  # before any work (each run's batch is shared by the ranks)
     locked.model.to(dev)
     original.model.to(dev)
     tok = locked.require_tokenizer()

@@ -21,10 +21,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-def _storage_bytes(t: Tensor) -> tuple[int, int]:
-    if type(t) is not Tensor and type(t).__name__ == "DTensor":  # a sharded tensor (FSDP2): this rank's shard
+def _storage(t: Tensor):
+    """The storage behind `t`; for a sharded tensor (FSDP2's DTensor), this rank's shard's."""
+    if type(t) is not Tensor and type(t).__name__ == "DTensor":
         t = t.to_local()
-    st = t.untyped_storage()
+    return t.untyped_storage()
+
+
+def _storage_bytes(t: Tensor) -> tuple[int, int]:
+    st = _storage(t)
     return st.data_ptr(), st.nbytes()
 
 
@@ -87,9 +92,7 @@ class PeakTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, Tensor) and t.device.type != "meta":
-                if type(t) is not Tensor and type(t).__name__ == "DTensor":
-                    t = t.to_local()
-                st = t.untyped_storage()
+                st = _storage(t)
                 ptr, n = st.data_ptr(), st.nbytes()
                 if ptr and ptr not in self._known:
                     self._known.add(ptr)

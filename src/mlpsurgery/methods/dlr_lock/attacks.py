@@ -158,7 +158,8 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
     Under torchrun (every rank calling it with the same models and data) each fine-tuning run is sharded over the
     ranks (FSDP2, `finetune_attack`); rank 0 decides what is done (a finished result is rank 0's on every rank),
     writes the results and reports them. Reverse distillation is not split: every rank distils every layer, as one
-    process does, then takes rank 0's sub-blocks, so that every rank's copy of the reverse route is the same."""
+    process does (rather than wait in a collective whose timeout a long distillation could pass), then takes rank
+    0's sub-blocks, so that every rank's copy of the reverse route is the same."""
     from ... import parallel
     from ...measure.attacks import AttackConfig, finetune_attack, freeze, lora
 
