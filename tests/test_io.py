@@ -127,7 +127,7 @@ def test_save_refuses_non_empty_target_and_is_atomic(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(io_mod, "st_save_model", boom)
+    monkeypatch.setattr(io_mod, "_write_weights", boom)
     with pytest.raises(RuntimeError):
         save(model, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
@@ -241,3 +241,33 @@ def test_to_stock_consuming_equals_copying_and_leaves_the_callers_model_whole(ar
     assert shared.get_input_embeddings().weight.data_ptr() == emb.data_ptr()
     assert not any(t.data_ptr() in ptrs for t in ref.values() if t.numel())
     torch.testing.assert_close(outputs(shared, ids), outputs(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_the_same_model_saves_to_the_same_bytes_in_every_process(tmp_path):
+    """safetensors' save_model wrote the tied names' metadata in its hash map's order, which changes from process
+    to process: the same model gave weights (and manifest digests) that differed byte-wise. What is written must
+    also be what save_model holds: the same tensors, tied copies once under the same name, the same metadata."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+
+    code = ("import sys, torch; from mlpsurgery.tiny import tiny_model; from mlpsurgery.io import save; "
+            "m = tiny_model('llama', tie_word_embeddings=True); m.model.norm.weight.data.mul_(1.5); "
+            "save(m, sys.argv[1])")
+    digests = set()
+    for k in range(3):  # each its own process: its own hash seed
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / f"m{k}")], check=True)
+        digests.add((tmp_path / f"m{k}" / "model.safetensors").read_bytes())
+    assert len(digests) == 1
+    m = tiny_model("llama", tie_word_embeddings=True)
+    m.model.norm.weight.data.mul_(1.5)
+    save_model(m, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    with safe_open(str(tmp_path / "reference.safetensors"), "pt") as ref, \
+            safe_open(str(tmp_path / "m0" / "model.safetensors"), "pt") as ours:
+        assert ours.metadata() == ref.metadata() and len(ref.metadata()) == 2  # format + the tied name
+        assert sorted(ours.keys()) == sorted(ref.keys())
+        for k in ref.keys():
+            assert torch.equal(ours.get_tensor(k), ref.get_tensor(k)), k
+    assert torch.equal(load(tmp_path / "m0").model.norm.weight, m.model.norm.weight)

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_model as st_save_model
 from torch import nn
 
 from . import __version__, files
@@ -167,13 +166,33 @@ def save(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = Fa
 
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra, inputs=inputs) as tmp:
         with masks_set_aside(model) as masks:
-            st_save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            _write_weights(model, tmp / WEIGHTS)
         if masks:  # bit-packed in memory, one boolean tensor each in the file: unpacked one at a time
             writer = SafetensorsWriter(tmp / MASKS, {n: (torch.bool, tuple(shape)) for n, (_, shape) in masks.items()})
             for n, (packed, shape) in masks.items():
                 writer.write(n, unpack(packed, shape))
             writer.close()
     return Path(out)
+
+
+def _write_weights(model: nn.Module, path: Path) -> None:
+    """The model's state dict as safetensors' `save_model` writes it (tied copies once, under the alphabetically
+    first name, the others named in the metadata), one tensor at a time and with the metadata in sorted order:
+    save_model writes it in the order of a Rust hash map, which changes from run to run, so the same model gave
+    files that differed byte-wise (and in the manifest's digests)."""
+    from .tensorfiles import SafetensorsWriter, shared_names
+
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
+    tied = shared_names(state)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in tied}
+    writer = SafetensorsWriter(path, layout, {"format": "pt", **tied})
+    try:
+        for n in layout:
+            writer.write(n, state[n].detach())
+    except BaseException:
+        writer._f.close()  # the temporary folder goes with it
+        raise
+    writer.close()
 
 
 @contextlib.contextmanager

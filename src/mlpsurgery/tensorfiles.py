@@ -192,7 +192,9 @@ def _plan(layout: Layout, metadata: dict[str, str] | None) -> tuple[bytes, dict[
         if dtype not in _DTYPES:
             raise MLPSurgeryError(f"{name}: dtype {dtype} cannot be stored in safetensors here")
     order = sorted(layout, key=lambda n: (-_ORDER.index(layout[n][0]), n))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}  # as safetensors' save_file writes it
+    # as safetensors' save_file writes it, the metadata in sorted order (safetensors: its hash map's, which changes
+    # from run to run)
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     slots = {}
     pos = 0
     for name in order:
@@ -234,7 +236,7 @@ class SafetensorsWriter:
     creation, each `write` puts one tensor's bytes at its offset, `close` refuses a file with a tensor missing.
     Tensors are laid out as safetensors itself lays them out (by dtype, then by name): the file is byte for byte
     what `save_file` writes of the same tensors (with one metadata entry at most: safetensors writes several in its
-    hash map's order, which varies from run to run; here they keep the order given)."""
+    hash map's order, which varies from run to run; here they are sorted, so the same tensors give the same bytes)."""
 
     def __init__(self, path: Path, layout: Layout, metadata: dict[str, str] | None = None):
         prefix, self.slots, size = _plan(layout, metadata)
@@ -297,7 +299,7 @@ class SafetensorsAppender:
     def close(self, metadata: dict[str, str] | None = None) -> None:
         if self._f.closed:
             return
-        raw = json.dumps({"__metadata__": dict(metadata or {}), **self.entries}, separators=(",", ":")).encode()
+        raw = json.dumps({"__metadata__": dict(sorted((metadata or {}).items())), **self.entries}, separators=(",", ":")).encode()
         try:
             if 8 + len(raw) > self.base:
                 raise MLPSurgeryError(f"internal: the header of {self.path.name} ({len(raw)} bytes) outgrew the "
