@@ -102,11 +102,11 @@ from mlpsurgery.tiny import tiny_model
 import mlpsurgery.io as io_mod
 model = tiny_model("llama", seed=int(sys.argv[2]))
 delay = float(sys.argv[3])
-real = io_mod.st_save_model
+real = io_mod._write_weights
 def slow(*a, **k):  # a large model: the kill lands while the weights are being written or after
     real(*a, **k)
     import time; time.sleep(delay)
-io_mod.st_save_model = slow
+io_mod._write_weights = slow
 threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 ms.save(model, sys.argv[1], overwrite=True)
 import time; time.sleep(5)
