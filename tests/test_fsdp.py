@@ -84,6 +84,137 @@ def test_nest_reports_the_shards_bytes(tmp_path):
         assert one["optimizer_bytes"] == 2 * one["param_bytes"] == 2 * one["grad_bytes"]  # AdamW: two moments
 
 
+def _saved(tmp_path, arch: str) -> str:
+    """A tiny model written as a transformers checkpoint (safetensors), so it can be read layer by layer."""
+    from mlpsurgery.tiny import byte_tokenizer
+
+    folder = tmp_path / f"{arch}-ckpt"
+    tiny_model(arch).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # untied; tied embeddings and Conv1D
+def test_nest_of_a_checkpoint_loads_into_shards_and_equals_one_process(tmp_path, arch):
+    """Under torchrun `nest` reads the checkpoint into FSDP shards one layer at a time, nesting each layer while
+    it is whole: the trained model, its history and its recorded source equal one process's."""
+    from mlpsurgery.cli import main
+    from mlpsurgery.io import read_manifest
+
+    folder = _saved(tmp_path, arch)
+    argv = lambda out: [folder if a == f"tiny:{arch}" else a for a in nest_args(tmp_path, arch, out)]  # noqa: E731
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(argv(one)) == 0
+    (c0, log0), (c1, log1) = ranks(tmp_path, argv(two))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    r0 = _json(log0)
+    assert r0["loaded_into_shards"] and _json(log1)["rank"] == 1
+    a, b = load(one), load(two)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
+    ma, mb = read_manifest(one), read_manifest(two)
+    assert mb["source"] == ma["source"] and mb["modules"] == ma["modules"]
+    assert [h["method"] for h in mb["history"]] == [h["method"] for h in ma["history"]] == ["nsn", "nsn-train"]
+
+
+def test_loading_into_shards_holds_half_and_fingerprints_as_the_whole_model(tmp_path):
+    """Each rank holds about half of the nested model's parameter bytes after loading; the model's fingerprint
+    (what a checkpoint records) is the whole model's, so a run started under two ranks resumes in one; a layer
+    that differs between the ranks is refused on every rank."""
+    from mlpsurgery.files import model_fingerprint
+    from mlpsurgery.models import load_model
+
+    folder = _saved(tmp_path, "llama")
+    cfg = nsn.NSNConfig()
+    whole = load_model(folder).model
+    nsn.nest(whole, cfg)
+    want = model_fingerprint(whole)
+    full = parallel.local_bytes(whole.parameters())
+
+    def target(skew: bool = False):
+        def run():
+            parallel.init("cpu")
+
+            def work(model, i):
+                nsn.surgery.nest_layer(model, cfg, i)
+                if skew and i == 1 and parallel.world()[0] == 1:
+                    next(parallel.find_layers(model)[1].parameters()).data.mul_(1.001)
+
+            loaded, stream = parallel.load_sharded(folder, "cpu", work)
+            print(json.dumps({"fp": model_fingerprint(loaded.model), "bytes": parallel.local_bytes(
+                loaded.model.parameters()), "sharded": parallel.is_sharded(loaded.model), "stream": stream is not None,
+                "source": loaded.model._mlpsurgery_source}))
+        return run
+
+    results = run_ranks(tmp_path, target())
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    for _, log in results:
+        r = _json(log)
+        assert r["sharded"] and r["stream"] and r["fp"] == want
+        assert r["source"] == whole._mlpsurgery_source
+        assert 0.4 < r["bytes"] / full < 0.6, (r["bytes"], full)
+    results = run_ranks(tmp_path, target(skew=True))
+    for code, log in results:
+        assert code != 0 and "different weights of layer 1" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_sharded_model_saves_without_being_gathered_whole_to_the_same_bytes(tmp_path, arch):
+    """save_sharded writes each parameter as it is gathered (rank 0 never holds the whole model): the folder is
+    byte for byte what one process saves of the same model, module attributes set while sharded (an NSN rank)
+    and history recorded while sharded kept; every rank ends with the plain model's structure."""
+    from mlpsurgery.io import read_manifest, record, save
+    from mlpsurgery.models import load_model
+
+    folder = _saved(tmp_path, arch)
+    cfg = nsn.NSNConfig()
+    whole = load_model(folder).model
+    nsn.nest(whole, cfg)
+    nsn.set_rank(whole, 3)
+    record(whole, "probe")
+    save(whole, tmp_path / "one")
+
+    def run():
+        parallel.init("cpu")
+        loaded, _ = parallel.load_sharded(folder, "cpu", lambda m, i: nsn.surgery.nest_layer(m, cfg, i))
+        model = loaded.model
+        record(model, "nsn", {k: v for k, v in vars(cfg).items()}, projections=len(nsn.nested_linears(model)))
+        nsn.set_rank(model, 3)
+        record(model, "probe")
+        parallel.save_sharded(model, tmp_path / "two", inputs=[folder])
+        assert not parallel.is_sharded(model) and type(model).__name__ == type(whole).__name__
+        assert {m.rank for m in nsn.nested_linears(model).values()} == {3}
+
+    results = run_ranks(tmp_path, run)
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    one, two = read_manifest(tmp_path / "one"), read_manifest(tmp_path / "two")
+    assert two["modules"] == one["modules"] and two["source"] == one["source"]
+    assert [h["method"] for h in two["history"]] == ["nsn", "probe"]
+
+
+def test_a_sharded_save_that_fails_on_rank_0_ends_every_rank_and_writes_nothing(tmp_path):
+    from mlpsurgery import tensorfiles
+
+    folder = _saved(tmp_path, "llama")
+
+    def run():
+        parallel.init("cpu")
+        loaded, _ = parallel.load_sharded(folder, "cpu")
+        if parallel.world()[0] == 0:
+            def full(self, name, t):
+                raise OSError(28, "No space left on device")
+            tensorfiles.SafetensorsWriter.write = full
+        parallel.save_sharded(loaded.model, tmp_path / "out")
+
+    results = run_ranks(tmp_path, run)
+    for code, log in results:
+        assert code == 1 and "No space left on device" in log, log[-2000:]
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))] == []
+
+
 @pytest.mark.parametrize("argv_extra,message", [
     (["--batch-size", "3"], "does not split evenly over 2 ranks"),
     (["--train-steps", "0"], "give --train-steps"),
@@ -179,6 +310,28 @@ def lock_args(tmp_path, out: str, *extra: str) -> list[str]:
             "--phase1-steps", "6", "--phase1-tokens", "64", "--phase1-hard-fraction", "0", "--onpolicy-steps", "3",
             "--no-compile", "--phase2-steps", "4", "--phase2-blocks", "8", "--phase2-batch", "2", "--top-k", "4",
             "--eval-tokens", "256", "--data", str(tmp_path / "t.txt"), "--json", "--quiet", *extra]
+
+
+def test_a_checkpoint_that_rank_0_cannot_write_ends_every_rank(tmp_path):
+    """Sharded checkpoints are gathered a tensor at a time and written by rank 0 as they come; a failure there is
+    raised on every rank (no rank left waiting at a collective) and leaves no checkpoint."""
+    from mlpsurgery import tensorfiles
+
+    def target():
+        parallel.init("cpu")
+        if parallel.world()[0] == 0:
+            def full(self, name, t):
+                raise OSError(28, "No space left on device")
+            tensorfiles.SafetensorsWriter.write = full
+        model = _setup()
+        parallel.shard(model)
+        fit(trainable(model), lm_loss(model, _blocks(), BATCH), _cfg(), checkpoint_dir=str(tmp_path / "ck"),
+            progress=False)
+
+    results = run_ranks(tmp_path, target)
+    assert results[0][0] == 1 and "No space left on device" in results[0][1], results[0][1][-2000:]
+    assert results[1][0] == 1 and "rank 0 could not write the checkpoint" in results[1][1], results[1][1][-2000:]
+    assert not (tmp_path / "ck").exists()
 
 
 def test_lock_dlr_over_two_ranks_equals_one_process(tmp_path):

@@ -355,7 +355,10 @@ class Fingerprint:
 
     def __init__(self, model: nn.Module, skip: Iterable[str] = ()):
         self.skip = set(skip)
-        self.h = hashlib.sha256(type(model).__name__.encode())
+        name = type(model).__name__
+        if name.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in type(model).__mro__):
+            name = name[4:]  # sharded by FSDP2 (its class FSDP<class>): the same model as unsharded
+        self.h = hashlib.sha256(name.encode())
         cfg = getattr(model, "config", None)
         if cfg is not None and hasattr(cfg, "to_dict"):
             self.h.update(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE}, sort_keys=True,
@@ -367,6 +370,8 @@ class Fingerprint:
         if t.numel() == 0 or t.device.type == "meta" or name in self.skip:
             return
         with torch.no_grad():
+            if type(t).__name__ == "DTensor":  # a sharded (FSDP) parameter: its whole value, gathered tensor by
+                t = t.full_tensor()  # tensor (a collective: every rank fingerprints the same model in the same order)
             flat = t.detach().reshape(-1)
             s1 = s2 = 0.0
             for i in range(0, flat.numel(), 1 << 20):  # float64 in slices: no full-size copy

@@ -190,7 +190,7 @@ def _write_weights(model: nn.Module, path: Path) -> None:
         for n in layout:
             writer.write(n, state[n].detach())
     except BaseException:
-        writer._f.close()  # the temporary folder goes with it
+        writer.abandon()  # the temporary folder goes with it
         raise
     writer.close()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -59,6 +60,10 @@ def init(device: str | torch.device = "cpu") -> tuple[int, int]:
     if not launched():
         return 0, 1
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    if backend == "gloo":  # CPU ranks: large blocks mapped and returned when freed (glibc kept gigabytes that the
+        from .layerwise import map_large_allocations  # collectives had freed: docs/distributed.md)
+
+        map_large_allocations()
     dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size()
 
@@ -157,8 +162,6 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .sites import find_sites
-
     rank, size = world()
     if size == 1:
         raise MLPSurgeryError("sharding needs several processes: launch the command with torchrun --nproc-per-node N")
@@ -170,18 +173,137 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
                               "load it with --dtype")
     # the structure before sharding, with every parameter on the meta device (no memory): `unshard` fills it with
     # the trained weights and swaps it back in, so the caller's model object becomes the plain model again
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    skeleton = copy.deepcopy(model, memo)
+    skeleton = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
     device = torch.device(device)
     mesh = init_device_mesh(device.type, (size,))
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper: its model's
-    for layer in find_sites(base).layers():  # layers (with their adapters) are the units
+    for layer in find_layers(model):  # a peft wrapper: its model's layers (with their adapters) are the units
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     _SKELETONS[id(model)] = skeleton
     return model
+
+
+def _fingerprint(mod: nn.Module) -> str:
+    from .files import Fingerprint
+
+    fp = Fingerprint(mod)
+    for name, t in mod.state_dict().items():
+        fp.add(name, t)
+    return fp.hexdigest()
+
+
+def load_sharded(spec: str | None, device: str | torch.device = "cpu",
+                 work: Callable[[nn.Module, int], None] | None = None,
+                 progress: bool = False):
+    """MODEL (as `models.load_model` reads it) loaded straight into FSDP2 shards, as `shard` splits it: the files
+    are read one decoder layer at a time (layerwise.LayerStream), layer i handed to `work(model, i)` (a surgery that
+    may replace its modules; the other layers may be on the meta device), compared across the ranks and
+    sharded before the next is read. A rank's peak is its share of the model plus one whole layer (and the
+    embeddings while they are read), instead of the whole model on every rank. Every rank calls it. A model the
+    layer-by-layer reader cannot read (a tiny:ARCH model, no safetensors, a conversion on loading, modules kept in
+    float32, pruning masks) is loaded whole as load_model loads it, `work` run on each layer, and left for `shard`.
+    Returns (models.Loaded, the LayerStream or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from tqdm.auto import tqdm
+
+    from .layerwise import LayerStream, SourceRecord, trim_heap
+    from .models import DEFAULT_MODEL, Loaded, _tokenizer, checkpoint_folder, load_model, working_dtype
+
+    rank, size = world()
+    if size == 1:
+        raise MLPSurgeryError("sharding needs several processes: launch the command with torchrun --nproc-per-node N")
+    text = DEFAULT_MODEL if spec is None else str(spec)
+    stream = None
+    if not text.startswith("tiny:"):
+        folder, source, name = checkpoint_folder(text)
+        try:
+            stream = LayerStream(folder, dtype=working_dtype())
+            if any(getattr(stream.model, k, None) for k in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
+                stream = None
+        except MLPSurgeryError:
+            stream = None  # what the layer-by-layer reader refuses is loaded whole (load_model words any error)
+    if stream is None:
+        loaded = load_model(spec)
+        loaded.model.to(device)
+        for i in range(len(find_layers(loaded.model)) if work is not None else 0):
+            work(loaded.model, i)
+        return loaded, None
+    model = stream.model
+    if text not in ("smollm2", "minilm"):
+        model._mlpsurgery_path = str(Path(text).expanduser())
+    record = SourceRecord(stream, name)  # the source fingerprint a whole load records, fed as the files are read
+    first, last = stream.outside_names()
+    state = model.state_dict()
+    for n in first:
+        record.add(n, state[n])
+    device = torch.device(device)
+    mesh = init_device_mesh(device.type, (size,))
+    resident = [p for p in model.parameters() if not p.is_meta]
+    plain: list[nn.Module] = []  # each layer as it was sharded, its weights on meta (for `unshard`)
+    for i in tqdm(range(stream.n_layers), desc="loading into shards", unit="layer", disable=not progress):
+        stream.materialise(i)
+        for n, t in stream.layer_state(i).items():
+            record.add(n, t)
+        stream.layers[i].to(device)  # the surgery runs where one process runs it (the model moved to the device)
+        if work is not None:
+            work(model, i)
+        layer = stream.layers[i].to(device)
+        dtypes = {p.dtype for p in (*layer.parameters(), *resident)}
+        if len(dtypes) > 1:
+            raise MLPSurgeryError(f"layer {i} and the embeddings mix parameter dtypes {sorted(map(str, dtypes))}; "
+                                  "FSDP needs one: load the model with --dtype")
+        same_on_every_rank(f"weights of layer {i} (after loading{' and surgery' if work else ''})",
+                           _fingerprint(layer))
+        plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
+        fully_shard(layer, mesh=mesh)
+        trim_heap()
+    for n in last:
+        record.add(n, state[n])
+    record.record()
+    # the rest (embeddings, norms, head) to the device, and the skeleton: the model's structure with the layers as
+    # they were sharded, every parameter on meta (the sharded layers swapped out meanwhile)
+    holder, leaf = _layer_list(model, stream.layers)
+    try:
+        holder._modules[leaf] = nn.ModuleList()
+        model.to(device)
+        holder._modules[leaf] = nn.ModuleList(plain)
+        skeleton = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
+    finally:
+        holder._modules[leaf] = stream.layers
+    same_on_every_rank("embeddings, norms or head", _fingerprint_outside(model, stream))
+    fully_shard(model, mesh=mesh)
+    _SKELETONS[id(model)] = skeleton
+    return Loaded(model.eval(), _tokenizer(folder), source), stream
+
+
+def _meta(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+
+def _fingerprint_outside(model: nn.Module, stream) -> str:
+    from .files import Fingerprint
+
+    fp = Fingerprint(model)
+    for name, t in stream.resident_state().items():
+        fp.add(name, t)
+    return fp.hexdigest()
+
+
+def _layer_list(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, str]:
+    """(the module holding `layers`, its attribute name)."""
+    for mod in model.modules():
+        for k, child in mod._modules.items():
+            if child is layers:
+                return mod, k
+    raise MLPSurgeryError("internal: the layer list is not in the model")
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    from .sites import find_sites
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return find_sites(base).layers()
 
 
 def release(model: nn.Module) -> None:
@@ -189,23 +311,33 @@ def release(model: nn.Module) -> None:
     _SKELETONS.pop(id(model), None)
 
 
-def unshard(model: nn.Module, keep_on: int | None = None) -> nn.Module:
-    """Undo `shard` in place: gather every parameter's full value (a collective: call it on every rank) and turn
-    `model` back into the plain model holding them. keep_on=R: only rank R keeps the weights (the others' model
-    is left on the meta device, to be dropped). Returns the model."""
+def unshard(model: nn.Module, keep_on: int | None = None,
+            sink: Callable[[str, Tensor], None] | None = None) -> nn.Module:
+    """Undo `shard` (or `load_sharded`) in place: gather every parameter's full value (a collective: call it on
+    every rank) and turn `model` back into the plain model holding them. keep_on=R: only rank R keeps the weights
+    (the others' model is left on the meta device, to be dropped). sink: rank R hands each full parameter (tied
+    ones once, under their first name) to sink(name, tensor) as it is gathered and keeps none of them (its model is
+    left on meta too): the whole model is never in one process. What was set on the model while it was sharded is
+    kept: mlpsurgery's records on the model, and plain values (ints, floats, strings, ...) set on its modules
+    (an NSN rank). Returns the model."""
     if not is_sharded(model):
         return model
     skeleton = _SKELETONS.pop(id(model))
     rank, _ = world()
-    keep = keep_on is None or keep_on == rank
+    if sink is not None and keep_on is None:
+        raise MLPSurgeryError("internal: unshard with a sink needs keep_on (the rank that writes)")
+    keep = (keep_on is None or keep_on == rank) and sink is None
     plain = dict(skeleton.named_parameters(remove_duplicate=False))
     full: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in full:
                 value = p.full_tensor() if is_dtensor(p) else p.detach()
+                if sink is not None and rank == keep_on:
+                    sink(name, value)
                 full[id(p)] = nn.Parameter(value.clone() if keep else torch.empty_like(value, device="meta"),
                                            requires_grad=p.requires_grad)
+                del value
             owner, _, leaf = name.rpartition(".")
             target = skeleton.get_submodule(owner) if owner else skeleton
             if name not in plain:
@@ -217,9 +349,73 @@ def unshard(model: nn.Module, keep_on: int | None = None) -> nn.Module:
         from torch.distributed._composable_state import _module_state_mapping
 
         _module_state_mapping.pop(model, None)
+    for k, v in model.__dict__.items():  # what mlpsurgery recorded while it was sharded (history, source)
+        if k.startswith("_mlpsurgery_"):
+            skeleton.__dict__[k] = v
+    plain_modules = dict(skeleton.named_modules())
+    for path, mod in model.named_modules():  # values set on the modules while sharded (an NSN rank, train/eval)
+        twin = plain_modules.get(path)
+        if twin is not None and twin is not mod:
+            for k, v in mod.__dict__.items():
+                if isinstance(v, _PLAIN) and k in twin.__dict__ and isinstance(twin.__dict__[k], _PLAIN):
+                    twin.__dict__[k] = v
     model.__class__ = skeleton.__class__
     model.__dict__ = skeleton.__dict__
     return model
+
+
+def save_sharded(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False, inputs=()) -> None:
+    """`io.save` of a sharded model without gathering it whole anywhere: every rank calls it; each parameter is
+    gathered in turn and rank 0 writes it into the weights file at once (the file byte for byte what `save`
+    writes of the same model), then every rank's model is the plain structure with its weights on the meta device
+    (to be dropped). A failure on rank 0 is raised on every rank once the gathers are done (nothing is written)."""
+    from . import io
+    from .tensorfiles import SafetensorsWriter, shared_names
+
+    rank, _ = world()
+    if not is_sharded(model):
+        raise MLPSurgeryError("internal: save_sharded needs a sharded model (io.save saves a plain one)")
+    state = model.state_dict(keep_vars=True)
+    tied = shared_names(state)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in tied}
+    buffers = {n: t for n, t in state.items() if n in layout and not isinstance(t, nn.Parameter)}
+    stack = contextlib.ExitStack()
+
+    def prepare():  # rank 0: the temporary folder and the weights file's header (a refusal ends every rank)
+        tmp = stack.enter_context(io.streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite,
+                                                   inputs=inputs))
+        return SafetensorsWriter(tmp / io.WEIGHTS, layout, {"format": "pt", **tied})
+
+    writer = on_rank0(prepare)
+    failure: list[BaseException] = []
+
+    def write(name: str, t: Tensor) -> None:
+        if not failure:  # after a failure rank 0 still takes part in the gathers the others make
+            try:
+                writer.write(tied.get(name, name), t)  # a tied tensor under the name the file keeps
+            except BaseException as e:  # noqa: BLE001 - raised once the gathers are done
+                failure.append(e)
+
+    try:
+        with stack:  # rank 0: on leaving, the manifest is written and the folder swapped in (removed on an error)
+            unshard(model, keep_on=0, sink=write if rank == 0 else lambda name, t: None)
+            if rank == 0:
+                for name, t in buffers.items():
+                    write(name, t)
+                if failure:
+                    writer.abandon()
+                    raise failure[0]
+                writer.close()
+    except BaseException as e:  # noqa: BLE001 - told to the other ranks, then raised
+        failure[:] = [e]
+    told = from_rank0(None if not failure else f"{type(failure[0]).__name__}: {failure[0]}")
+    if failure:
+        raise failure[0]
+    if told is not None:
+        raise MLPSurgeryError(f"rank 0 could not save {out} ({told})")
+
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def check_split(n: int, flag: str = "--batch-size") -> None:

@@ -257,6 +257,10 @@ class SafetensorsWriter:
         self._f.write(tensor_bytes(t))
         self.pending.discard(name)
 
+    def abandon(self) -> None:
+        """Close the file unfinished (its folder is being discarded)."""
+        self._f.close()
+
     def close(self) -> None:
         if self._f.closed:
             return
@@ -299,7 +303,8 @@ class SafetensorsAppender:
     def close(self, metadata: dict[str, str] | None = None) -> None:
         if self._f.closed:
             return
-        raw = json.dumps({"__metadata__": dict(sorted((metadata or {}).items())), **self.entries}, separators=(",", ":")).encode()
+        raw = json.dumps({"__metadata__": dict(sorted((metadata or {}).items())), **self.entries},
+                         separators=(",", ":")).encode()
         try:
             if 8 + len(raw) > self.base:
                 raise MLPSurgeryError(f"internal: the header of {self.path.name} ({len(raw)} bytes) outgrew the "

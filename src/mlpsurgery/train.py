@@ -67,7 +67,8 @@ def lr_factor(cfg: FitConfig, step: int) -> float:
 def _flatten(obj, prefix: str, tensors: dict[str, Tensor]):
     """JSON skeleton of a nested structure, its tensors moved into `tensors` under dotted names."""
     if isinstance(obj, Tensor):
-        tensors[prefix] = obj.detach().cpu().contiguous()
+        # a sharded tensor (DTensor) stays as it is: save_checkpoint gathers it when it writes it
+        tensors[prefix] = obj.detach() if type(obj).__name__ == "DTensor" else obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
         return {"__dict__": [[_flatten(k, f"{prefix}.k{i}", tensors), _flatten(v, f"{prefix}.{i}", tensors)]
@@ -96,14 +97,70 @@ def _unflatten(obj, tensors: dict[str, Tensor]):
     return obj
 
 
-def save_checkpoint(folder: str | Path, state: dict) -> None:
+def save_checkpoint(folder: str | Path, state: dict, sharded: bool = False) -> None:
     """Write a nested dict of tensors and JSON values to folder/{state.json, tensors.safetensors}, atomically
-    (a marked folder swapped into place: a kill leaves the old checkpoint or the new one)."""
+    (a marked folder swapped into place: a kill leaves the old checkpoint or the new one).
+
+    sharded=True (under torchrun, every rank calls it with its own `state`, the same structure): the sharded
+    tensors (DTensors: FSDP's parameters and AdamW moments) are gathered one at a time and rank 0 writes each at
+    once, so no rank holds the full state (gathering all of it first put the whole model and its moments on every
+    rank at every checkpoint: 5.7 GiB more per rank than the sharded training itself on a 1 B model). The file
+    holds full tensors, as one process's. A failure on rank 0 is raised on every rank, after the gathers."""
     tensors: dict[str, Tensor] = {}
     skeleton = _flatten(state, "s", tensors)
-    with files.atomic_dir(folder, overwrite=True, kind="checkpoint") as tmp:
-        save_file(tensors, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps(skeleton))
+    if not sharded:
+        with files.atomic_dir(folder, overwrite=True, kind="checkpoint") as tmp:
+            save_file(tensors, str(tmp / "tensors.safetensors"))
+            (tmp / "state.json").write_text(json.dumps(skeleton))
+        return
+    from . import parallel
+    from .tensorfiles import SafetensorsWriter
+
+    rank, _ = parallel.world()
+    failure: list[BaseException] = []
+    stack = contextlib.ExitStack()
+    writer = None
+    if rank == 0:
+        try:
+            tmp = stack.enter_context(files.atomic_dir(folder, overwrite=True, kind="checkpoint"))
+            writer = SafetensorsWriter(tmp / "tensors.safetensors",
+                                       {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})
+        except BaseException as e:  # noqa: BLE001 - told to every rank after the gathers
+            failure.append(e)
+    for k, t in tensors.items():  # every rank, in the same order: each sharded tensor gathered in turn
+        full = t.full_tensor() if parallel.is_dtensor(t) else t
+        if writer is not None and not failure:
+            try:
+                writer.write(k, full.cpu())
+            except BaseException as e:  # noqa: BLE001 - as above
+                failure.append(e)
+        del full
+    if rank == 0:
+        try:
+            if not failure:
+                writer.close()
+                (tmp / "state.json").write_text(json.dumps(skeleton))
+        except BaseException as e:  # noqa: BLE001 - as above
+            failure.append(e)
+        if failure:
+            if writer is not None:
+                writer.abandon()
+            stack.__exit__(type(failure[0]), failure[0], failure[0].__traceback__)  # the temporary folder removed
+        else:
+            stack.close()  # swapped into place
+    _rank0_outcome(failure[0] if failure else None, folder)
+
+
+def _rank0_outcome(failure: BaseException | None, folder) -> None:
+    """Every rank learns whether rank 0 wrote the checkpoint: its failure raised there and on the others (instead
+    of the others waiting at the next collective for a rank that is gone)."""
+    from . import parallel
+
+    told = parallel.from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
+    if failure is not None:
+        raise failure
+    if told is not None:
+        raise MLPSurgeryError(f"rank 0 could not write the checkpoint {folder} ({told})")
 
 
 def load_checkpoint(folder: str | Path) -> dict | None:
@@ -135,19 +192,6 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # Sharded parameters (FSDP2 under torchrun, parallel.shard): checkpoints hold full tensors, so that a run
 # written by N ranks resumes in one process or in M; every rank takes part in the gathers.
-
-
-def _full(obj):
-    """`obj` with every sharded tensor replaced by its full value (a collective on a DTensor)."""
-    from . import parallel
-
-    if isinstance(obj, Tensor):
-        return obj.full_tensor() if parallel.is_dtensor(obj) else obj
-    if isinstance(obj, dict):
-        return {k: _full(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_full(v) for v in obj)
-    return obj
 
 
 def _like(value: Tensor, param: Tensor) -> Tensor:
@@ -398,20 +442,25 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
         with torch.no_grad():
             tensors = {n: params[n].detach() for n in names}
             optim = opt.state_dict()
-            if sharded:
-                tensors, optim = _full(tensors), _full(optim)
+            if sharded:  # the sharded tensors are gathered one at a time as rank 0 writes them (save_checkpoint)
                 rngs = parallel.all_gather(rng_state())
             elif partitioned:
                 tensors, optim, rngs = _gather_partition(names, order, tensors, optim, rng_state()) or (None,) * 3
-        if rank == 0 or not distributed:
-            save_checkpoint(ckpt, {"names": order, "total_steps": cfg.steps, "step": step, "seconds": seconds,
-                                   "params": tensors, "optimizer": optim,
-                                   "rng": rng or rng_state(), "history": history, "config": asdict(cfg),
-                                   "extra": extra, "settings": identity, **({"rng_ranks": rngs} if rngs else {})})
-        if distributed:
-            import torch.distributed as dist
-
-            dist.barrier()  # no rank runs ahead of a checkpoint that may yet fail to write
+            state = {"names": order, "total_steps": cfg.steps, "step": step, "seconds": seconds, "params": tensors,
+                     "optimizer": optim, "rng": rng or rng_state(), "history": history, "config": asdict(cfg),
+                     "extra": extra, "settings": identity, **({"rng_ranks": rngs} if rngs else {})}
+            if sharded:
+                save_checkpoint(ckpt, state, sharded=True)  # every rank; ends with rank 0's outcome on all
+            elif not distributed:
+                save_checkpoint(ckpt, state)
+            else:  # partitioned: rank 0 writes what it gathered; no rank runs ahead of a checkpoint that may fail
+                failure = None
+                if rank == 0:
+                    try:
+                        save_checkpoint(ckpt, state)
+                    except BaseException as e:  # noqa: BLE001 - raised on every rank
+                        failure = e
+                _rank0_outcome(failure, ckpt)
 
     t0 = time.perf_counter() - elapsed
     done = start  # steps whose update is complete: what a checkpoint written now may claim

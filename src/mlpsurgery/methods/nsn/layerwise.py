@@ -20,11 +20,10 @@ from ...errors import MLPSurgeryError
 from ...io import record
 from ...layerwise import LayerStream, rewrite
 from ...measure.cost import count_params
-from ...sites import parse_layers
 from .export import _nested_slots
 from .pipeline import check_rank_args, choose_rank
 from .ranks import nested_flops
-from .surgery import NSNConfig, _slots, check_config, max_rank, nest_slot, nested_linears
+from .surgery import NSNConfig, check_config, max_rank, nest_layer, nested_linears
 
 
 def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=None, tokenizer=None,
@@ -34,15 +33,11 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
     check_config(cfg)
     stream = LayerStream(Path(folder), dtype=dtype)
     model = stream.model
-    layers = set(parse_layers(cfg.layers, stream.n_layers))
     count = 0
 
     def work(i: int) -> None:
         nonlocal count
-        if i in layers:
-            for slot in list(_slots(model, cfg.modules, [i])):
-                nest_slot(slot, cfg)
-                count += 1
+        count += nest_layer(model, cfg, i)
 
     rewrite(stream, out, work, "SVD (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
             source_name=source_name, progress=progress,

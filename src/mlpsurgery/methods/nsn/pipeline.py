@@ -13,7 +13,7 @@ from ...errors import MLPSurgeryError
 from ...io import check_out
 from ...report import ends_stages, stage
 
-from .surgery import NSNConfig, _require_nested, max_rank, nest, nested_linears
+from .surgery import NSNConfig, _require_nested, check_config, max_rank, nest, nest_layer, nested_linears
 from .ranks import nested_flops, set_budget, set_rank
 from .training import NSNTrainConfig, learned_log_variances, train_nsn, training_updates
 from .analysis import classifier_metrics, sweep
@@ -43,12 +43,11 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
     from ...data import load_corpus, read_labelled
-    from ...io import save
     from ...measure.perplexity import is_causal_lm
     from ...models import load_model
     from ...train import classifier_loss, lm_loss
 
-    from ...files import check_state, remove_ours
+    from ...files import check_state
 
     from ... import parallel
 
@@ -67,6 +66,9 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
             check_state(ckpt, inputs=[model_spec, data, out])
 
     parallel.on_rank0(claims)
+    if world > 1 and not is_labelled(data) and _language_model(model_spec):
+        return _nest_sharded(model_spec, out, cfg, train, data, batch_size, block_len, max_len, ckpt, overwrite,
+                             device, progress)
     stage(f"loading {model_spec or 'smollm2 (the default model)'}", progress)
     probe = load_model(model_spec)
     if not _is_classifier(probe.model) and any(a.endswith("ForSequenceClassification")
@@ -106,20 +108,101 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
             result["data"] = {"corpus": corpus.source, "train_blocks": len(blocks), "block_len": block_len,
                               "split": corpus.split}
         res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
-                        settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len})
-        result["train"] = {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "updates": res.updates,
-                           "steps": res.steps,
-                           "resumed_from": res.resumed_from, "seconds": res.seconds,
-                           "final_loss": res.history[-1]["loss"] if res.history else None,
-                           "objective": train.objective, "sampling": train.sampling, "memory": res.memory,
-                           "history": res.history}
-    if rank != 0:  # rank 0 saves the trained model
-        return {**result, "rank": rank, "world_size": world}
+                        settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len},
+                        unshard=world == 1)
+        result["train"] = _train_summary(res, train)
+    return _save(model, out, tok, overwrite, [model_spec, data], ckpt if steps > 0 else None, result, progress)
+
+
+def _save(model: nn.Module, out: Path, tok, overwrite: bool, inputs: list, ckpt: Path | None, result: dict,
+          progress: bool) -> dict:
+    """Save the nested model (under torchrun, still sharded: each tensor gathered and written by rank 0 in turn,
+    never the whole model in one process), then remove the training checkpoint; rank r > 0 reports its rank."""
+    from ... import parallel
+    from ...files import remove_ours
+    from ...io import save
+
+    rank, world = parallel.world()
     stage(f"saving the nested model to {out}", progress)
-    save(model.cpu(), out, tokenizer=tok, overwrite=overwrite, inputs=[model_spec, data])
-    if steps > 0:
+    if parallel.is_sharded(model):
+        parallel.save_sharded(model, out, tokenizer=tok, overwrite=overwrite, inputs=inputs)
+    else:
+        save(model.cpu(), out, tokenizer=tok, overwrite=overwrite, inputs=inputs)
+    if rank != 0:
+        return {**result, "rank": rank, "world_size": world}
+    if ckpt is not None:
         remove_ours(ckpt)
     return result
+
+
+def _train_summary(res, train: NSNTrainConfig) -> dict:
+    return {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "updates": res.updates,
+            "steps": res.steps, "resumed_from": res.resumed_from, "seconds": res.seconds,
+            "final_loss": res.history[-1]["loss"] if res.history else None, "objective": train.objective,
+            "sampling": train.sampling, "memory": res.memory, "history": res.history}
+
+
+def _language_model(spec: str | None) -> bool:
+    """Whether MODEL loads as a causal LM, from its config alone (no weights read)."""
+    from ...io import MANIFEST, read_manifest
+    from ...models import DEFAULT_MODEL, _model_class, checkpoint_folder, read_config
+    from ...tiny import ENCODERS
+
+    text = DEFAULT_MODEL if spec is None else str(spec)
+    if text.startswith("tiny:"):
+        return text[5:] not in ENCODERS
+    folder, _, _ = checkpoint_folder(text)
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if (folder / MANIFEST).exists():
+        name = read_manifest(folder)["model_class"]
+    else:
+        klass = _model_class(read_config(folder), "auto")
+        if klass is AutoModelForCausalLM:
+            return True
+        name = getattr(klass, "__name__", "")
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _nest_sharded(model_spec, out: Path, cfg: NSNConfig, train: NSNTrainConfig, data, batch_size: int,
+                  block_len: int, max_len: int, ckpt: Path, overwrite: bool, device, progress: bool) -> dict:
+    """`nest_model` of a language model under torchrun: the checkpoint read into FSDP shards one decoder layer at a
+    time, each layer nested (SVD) while it is whole (parallel.load_sharded), so that no rank holds the whole model
+    (saved by save_sharded: a tensor at a time)."""
+    from ... import parallel
+    from ...data import load_corpus
+    from ...io import record
+    from ...models import check_context
+    from ...train import lm_loss
+
+    check_config(cfg)
+    rank, world = parallel.world()
+    stage(f"loading {model_spec or 'smollm2 (the default model)'} into {world} shards, nesting it layer by layer",
+          progress)
+    count = 0
+
+    def work(model: nn.Module, i: int) -> None:
+        nonlocal count
+        count += nest_layer(model, cfg, i)
+
+    loaded, _ = parallel.load_sharded(model_spec, device, work, progress=progress)
+    model = loaded.model
+    record(model, "nsn", asdict(cfg), projections=count)
+    result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
+                    "projections": len(nested_linears(model)), "max_rank": max_rank(model),
+                    "full_rank_flops_fraction": nested_flops(model)["fraction"], "loaded_into_shards": True}
+    tok = loaded.require_tokenizer()
+    check_context(model, block_len)
+    corpus = load_corpus(data, tok)
+    blocks = corpus.blocks("train", block_len)
+    task = lm_loss(model, blocks, batch_size, seed=train.fit.seed)
+    result["data"] = {"corpus": corpus.source, "train_blocks": len(blocks), "block_len": block_len,
+                      "split": corpus.split}
+    res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
+                    settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len}, unshard=False)
+    result["train"] = _train_summary(res, train)
+    return _save(model, out, tok, overwrite, [model_spec, data], ckpt, result, progress)
 
 
 def check_rank_args(rank: int | None, budget: float | None, form: str) -> None:

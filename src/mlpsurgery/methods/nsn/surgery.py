@@ -111,6 +111,21 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False)
     return model
 
 
+def nest_layer(model: nn.Module, cfg: NSNConfig, i: int) -> int:
+    """`nest` for decoder layer i alone (the layer-by-layer paths: the layer is in memory, the others may not be):
+    its chosen projections replaced, in place; how many."""
+    if i not in parse_layers(cfg.layers, len(find_sites(model))):
+        return 0
+    slots = list(_slots(model, cfg.modules, [i]))
+    if any(isinstance(s.module, NestedLinear) for s in slots):
+        raise MLPSurgeryError(f"layer {i} already has a NestedLinear: this model was nested before; change its rank "
+                              "with set_rank / `mlpsurgery nest rank` instead")
+    for slot in slots:
+        nest_slot(slot, cfg)
+        slot.module = None
+    return len(slots)
+
+
 def nested_linears(model: nn.Module) -> dict[str, NestedLinear]:
     """path -> NestedLinear, in module order (works on any PyTorch model)."""
     return {p: m for p, m in model.named_modules() if isinstance(m, NestedLinear)}

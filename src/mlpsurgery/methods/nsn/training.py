@@ -179,14 +179,17 @@ class TrainResult:
 
 def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrainConfig | None = None,
               checkpoint_dir: str | Path | None = None, params: dict[str, nn.Parameter] | None = None,
-              progress: bool = True, desc: str = "nsn", settings: dict | None = None) -> TrainResult:
+              progress: bool = True, desc: str = "nsn", settings: dict | None = None,
+              unshard: bool = True) -> TrainResult:
     """Train a nested model with the multi-rank objective. task_loss(step) computes the task loss (LM or
     classification, e.g. mlpsurgery.train.lm_loss / classifier_loss) of the step's batch at the model's
     current rank. Leaves the model at the anchor rank. Checkpoints (factors, log-variances, optimizer,
     RNG) go to checkpoint_dir; a rerun with the same folder resumes, one made from another model or with other
     settings (the NSN config, the model's fingerprint, and the caller's `settings`: its data) is refused.
-    Under torchrun with several ranks the model is sharded (FSDP2, mlpsurgery.parallel) for the training and
-    plain again afterwards; task_loss must then take this rank's rows (lm_loss / classifier_loss do)."""
+    Under torchrun with several ranks the model is sharded (FSDP2, mlpsurgery.parallel; or given sharded by
+    parallel.load_sharded) for the training and plain again afterwards on every rank, or left sharded with
+    unshard=False (to be saved by parallel.save_sharded, never whole in one process); task_loss must then take
+    this rank's rows (lm_loss / classifier_loss do)."""
     from ... import parallel
     from ...files import model_fingerprint
     from ...measure.memory import peak_rss, reset_peak_rss
@@ -223,7 +226,8 @@ def train_nsn(model: nn.Module, task_loss: Callable[[int], Tensor], cfg: NSNTrai
     reset_peak_rss()
     res = fit(params, objective.loss_fn(model, task_loss), cfg.fit, checkpoint_dir=checkpoint_dir, progress=progress,
               desc=desc, optimizer_groups=groups, settings=identity)
-    parallel.unshard(model)
+    if unshard:
+        parallel.unshard(model)
     model.eval()
     set_rank(model, objective.anchor)
     log_var = objective.log_variances() if cfg.objective == "uncertainty" else {}
