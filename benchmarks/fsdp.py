@@ -21,6 +21,8 @@ times, the held-out perplexity ratio and per-layer errors of both runs, and the 
     python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
         --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
+    python benchmarks/fsdp.py --what nest --synthetic 1e9 --dtype bfloat16 --steps 2 --batch-size 2 --block-len 64 \
+        --json docs/results/fsdp-synthetic-1b.json --md docs/results/fsdp-synthetic-1b.md
     python benchmarks/fsdp.py --render docs/results/fsdp-smollm2.json     # the markdown again from the JSON
 
 One process gets OMP_NUM_THREADS = N and each rank 1, so both use the same cores.
@@ -52,13 +54,26 @@ def _objects(text: str) -> list[dict]:
         i = j + end
 
 
-def run(cmd: list[str], threads: int) -> tuple[list[dict], float]:
+PEAKS: dict[str, int] = {}  # the largest process's peak resident bytes over the whole run, by run ("one", "sharded")
+
+
+def run(cmd: list[str], threads: int, tag: str = "") -> tuple[list[dict], float]:
+    """The command's JSON objects and wall seconds; PEAKS[tag]: the peak resident memory of its largest process
+    over the whole run (the kernel's, through wait4: for torchrun, the largest of its ranks), saving included."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
-    return _objects(r.stdout), time.perf_counter() - t0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if p.returncode != 0:
+        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
+    PEAKS[tag] = usage.ru_maxrss * 1024
+    return _objects(stdout), seconds
 
 
 def _max_diff(a: str, b: str) -> float:
@@ -175,7 +190,11 @@ def render(res: dict) -> str:
     lines = [f"`{res['command']}` on {res['model']}, {res['steps']} steps of batch {res['batch_size']} x "
              f"{res['block_len']} tokens; machine: {res['machine']}; torch {res['torch']}{env}.", "", *rows, "",
              f"Per rank, parameters + gradients + AdamW moments: {held(two) / mib:.0f} MiB of {held(one) / mib:.0f} MiB "
-             f"in one process ({held(two) / held(one):.2f}x).", "",
+             f"in one process ({held(two) / held(one):.2f}x).", *([
+                 "", f"Peak resident memory over the whole run (loading, training and saving included; the kernel's, of "
+                 f"the largest process): {res['run_peak_rss_sharded'] / 2**30:.2f} GiB per rank against "
+                 f"{res['run_peak_rss_one'] / 2**30:.2f} GiB in one process."] if "run_peak_rss_one" in res else []),
+             "",
              "| step | loss, one process | loss, sharded | difference |", "|---|---|---|---|"]
     for a, b in zip(res["loss_one"], res["loss_sharded"]):
         lines.append(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {abs(a['loss'] - b['loss']):.1e} |")
@@ -185,9 +204,10 @@ def render(res: dict) -> str:
 
 def _both(args, common: list[str], work: Path) -> tuple[list[dict], float, list[dict], float]:
     """(one process's JSON objects, its wall seconds, the ranks' JSON objects, their wall seconds)."""
-    one, one_s = run([sys.executable, "-m", "mlpsurgery", *common, "--out", str(work / "one")], args.ranks)
+    one, one_s = run([sys.executable, "-m", "mlpsurgery", *common, "--out", str(work / "one")], args.ranks, "one")
     sharded, sharded_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "sharded")], 1)
+                              str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "sharded")], 1,
+                             "sharded")
     return one, one_s, sharded, sharded_s
 
 
@@ -245,18 +265,39 @@ def bench_attack(args, work: Path) -> dict:
             "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
 
 
+def synthetic(args, work: Path) -> str:
+    """--synthetic N: a random-weight llama of about N parameters written (by a child process, so this one stays
+    small) as bfloat16 safetensors shards into `work`; its description, args.model set to its folder."""
+    folder = work / "synthetic"
+    t0 = time.perf_counter()
+    code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
+            "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
+            "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
+            "c = synthetic_llama_config(float(sys.argv[2])); "
+            "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
+    count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, str(folder), str(args.synthetic)],
+                                                   check=True, capture_output=True, text=True).stdout)
+    args.model = str(folder)
+    return (f"a synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} layers; "
+            f"bfloat16 safetensors shards, written in {time.perf_counter() - t0:.0f} s)")
+
+
 def bench_nest(args, work: Path) -> dict:
+    shown = synthetic(args, work) if args.synthetic else args.model
     common = ["nest", args.model, "--train-steps", str(args.steps), "--batch-size", str(args.batch_size),
-              "--block-len", str(args.block_len), "--json", "--quiet"]
+              "--block-len", str(args.block_len), "--json", "--quiet",
+              *(["--dtype", args.dtype] if args.dtype else []), *(["--data", args.data] if args.data else [])]
     one, one_s, sharded, sharded_s = _both(args, common, work)
     procs = sorted(({"rank": o.get("rank", 0), "memory": o["train"]["memory"]} for o in sharded),
                    key=lambda p: p["rank"])
     main0 = next(o for o in sharded if "rank" not in o)
-    return {"what": "nest", "model": args.model, "steps": args.steps, "ranks": args.ranks,
+    return {"what": "nest", "model": shown, "steps": args.steps, "ranks": args.ranks,
             "batch_size": args.batch_size, "block_len": args.block_len,
-            "command": "mlpsurgery " + " ".join(common[:1] + common[1:2] + ["..."]), **_machine(),
+            "command": "mlpsurgery " + " ".join(common[:1] + (["SYNTHETIC"] if args.synthetic else common[1:2])
+                                                + common[2:]), **_machine(),
             "one": [{"rank": 0, "memory": one[0]["train"]["memory"]}], "sharded": procs,
             "one_seconds": one_s, "sharded_seconds": sharded_s,
+            "run_peak_rss_one": PEAKS["one"], "run_peak_rss_sharded": PEAKS["sharded"],
             "loss_one": [{"step": h["step"], "loss": h["loss"]} for h in one[0]["train"]["history"]],
             "loss_sharded": [{"step": h["step"], "loss": h["loss"]} for h in main0["train"]["history"]],
             "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
@@ -271,6 +312,11 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--block-len", type=int, default=128)
+    ap.add_argument("--synthetic", type=float, metavar="N",
+                    help="--what nest: a random-weight llama of about N parameters (bfloat16 shards, written to a "
+                         "temporary folder and removed) instead of --model")
+    ap.add_argument("--dtype", help="--what nest: passed to the command (e.g. bfloat16)")
+    ap.add_argument("--data", help="--what nest: passed to the command (default: its own)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--render", help="print the markdown of a JSON written before")
