@@ -268,15 +268,11 @@ def bench_attack(args, work: Path) -> dict:
 def synthetic(args, work: Path) -> str:
     """--synthetic N: a random-weight llama of about N parameters written (by a child process, so this one stays
     small) as bfloat16 safetensors shards into `work`; its description, args.model set to its folder."""
+    from memory import write_synthetic_child  # benchmarks/memory.py (this folder is on sys.path)
+
     folder = work / "synthetic"
     t0 = time.perf_counter()
-    code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
-            "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
-            "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
-            "c = synthetic_llama_config(float(sys.argv[2])); "
-            "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
-    count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, str(folder), str(args.synthetic)],
-                                                   check=True, capture_output=True, text=True).stdout)
+    count, d, h, depth = write_synthetic_child(str(folder), args.synthetic)
     args.model = str(folder)
     return (f"a synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} layers; "
             f"bfloat16 safetensors shards, written in {time.perf_counter() - t0:.0f} s)")

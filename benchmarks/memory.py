@@ -84,6 +84,20 @@ def peak_rss(cmd: list[str], env: dict) -> tuple[int, float, int, str, int]:
     return peak, time.perf_counter() - t0, rc, state["at"], state["anon"]
 
 
+def write_synthetic_child(folder: str, n_params: float, env: dict | None = None) -> tuple[int, int, int, int]:
+    """A random-weight llama of about `n_params` parameters written to `folder` (bfloat16 safetensors shards, the
+    SmolLM2 tokenizer) by a child process, so that the caller stays small (a child's peak RSS, os.wait4, includes
+    its parent's resident memory at the fork); (parameters, d, MLP width, layers)."""
+    code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
+            "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
+            "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
+            "c = synthetic_llama_config(float(sys.argv[2])); "
+            "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
+    out = subprocess.run([sys.executable, "-c", code, folder, str(n_params)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return tuple(json.loads(out))
+
+
 def cpu_name() -> str:
     """The CPU's model name, and whether it has bfloat16 instructions (without them bfloat16 matmuls are slow)."""
     try:
@@ -191,13 +205,7 @@ def main() -> None:
             # its parent's resident memory at the fork
             model = str(work / "synthetic")
             t0 = time.perf_counter()
-            code = ("import json, sys; from mlpsurgery.models import smollm2_dir; "
-                    "from mlpsurgery.tiny import synthetic_llama_config, write_synthetic; "
-                    "n = write_synthetic(sys.argv[1], float(sys.argv[2]), tokenizer_from=smollm2_dir()); "
-                    "c = synthetic_llama_config(float(sys.argv[2])); "
-                    "print(json.dumps([n, c.hidden_size, c.intermediate_size, c.num_hidden_layers]))")
-            count, d, h, depth = json.loads(subprocess.run([sys.executable, "-c", code, model, str(args.synthetic)],
-                                                           env=env, check=True, capture_output=True, text=True).stdout)
+            count, d, h, depth = write_synthetic_child(model, args.synthetic, env)
             shown = (f"synthetic llama, random weights ({count / 1e9:.2f} B parameters: d {d}, MLP {h}, {depth} "
                      f"layers; bfloat16 shards of 1 GB, written in {time.perf_counter() - t0:.0f} s)")
             fuse_method = "neuron"

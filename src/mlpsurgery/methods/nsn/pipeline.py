@@ -42,10 +42,10 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
-    from ...data import load_corpus, read_labelled
+    from ...data import read_labelled
     from ...measure.perplexity import is_causal_lm
     from ...models import load_model
-    from ...train import classifier_loss, lm_loss
+    from ...train import classifier_loss
 
     from ...files import check_state
 
@@ -99,14 +99,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
             task = classifier_loss(model, tok, labelled, batch_size, max_len=max_len, seed=train.fit.seed)
             result["data"] = {"labelled": data or "r8-train", "examples": len(labelled), "classes": labelled.classes}
         else:
-            from ...models import check_context
-
-            check_context(model, block_len)
-            corpus = load_corpus(data, tok)
-            blocks = corpus.blocks("train", block_len)
-            task = lm_loss(model, blocks, batch_size, seed=train.fit.seed)
-            result["data"] = {"corpus": corpus.source, "train_blocks": len(blocks), "block_len": block_len,
-                              "split": corpus.split}
+            task, result["data"] = _lm_task(model, tok, data, block_len, batch_size, train.fit.seed)
         res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
                         settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len},
                         unshard=world == 1)
@@ -135,6 +128,19 @@ def _save(model: nn.Module, out: Path, tok, overwrite: bool, inputs: list, ckpt:
     return result
 
 
+def _lm_task(model: nn.Module, tok, data, block_len: int, batch_size: int, seed: int):
+    """(the language-modelling loss of a step, what the result records of the data)."""
+    from ...data import load_corpus
+    from ...models import check_context
+    from ...train import lm_loss
+
+    check_context(model, block_len)
+    corpus = load_corpus(data, tok)
+    blocks = corpus.blocks("train", block_len)
+    return lm_loss(model, blocks, batch_size, seed=seed), {"corpus": corpus.source, "train_blocks": len(blocks),
+                                                           "block_len": block_len, "split": corpus.split}
+
+
 def _train_summary(res, train: NSNTrainConfig) -> dict:
     return {"ranks": res.ranks, "anchor": res.anchor, "log_var": res.log_var, "updates": res.updates,
             "steps": res.steps, "resumed_from": res.resumed_from, "seconds": res.seconds,
@@ -144,6 +150,9 @@ def _train_summary(res, train: NSNTrainConfig) -> dict:
 
 def _language_model(spec: str | None) -> bool:
     """Whether MODEL loads as a causal LM, from its config alone (no weights read)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     from ...io import MANIFEST, read_manifest
     from ...models import DEFAULT_MODEL, _model_class, checkpoint_folder, read_config
     from ...tiny import ENCODERS
@@ -152,9 +161,6 @@ def _language_model(spec: str | None) -> bool:
     if text.startswith("tiny:"):
         return text[5:] not in ENCODERS
     folder, _, _ = checkpoint_folder(text)
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if (folder / MANIFEST).exists():
         name = read_manifest(folder)["model_class"]
     else:
@@ -171,10 +177,7 @@ def _nest_sharded(model_spec, out: Path, cfg: NSNConfig, train: NSNTrainConfig, 
     time, each layer nested (SVD) while it is whole (parallel.load_sharded), so that no rank holds the whole model
     (saved by save_sharded: a tensor at a time)."""
     from ... import parallel
-    from ...data import load_corpus
     from ...io import record
-    from ...models import check_context
-    from ...train import lm_loss
 
     check_config(cfg)
     rank, world = parallel.world()
@@ -193,12 +196,7 @@ def _nest_sharded(model_spec, out: Path, cfg: NSNConfig, train: NSNTrainConfig, 
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"], "loaded_into_shards": True}
     tok = loaded.require_tokenizer()
-    check_context(model, block_len)
-    corpus = load_corpus(data, tok)
-    blocks = corpus.blocks("train", block_len)
-    task = lm_loss(model, blocks, batch_size, seed=train.fit.seed)
-    result["data"] = {"corpus": corpus.source, "train_blocks": len(blocks), "block_len": block_len,
-                      "split": corpus.split}
+    task, result["data"] = _lm_task(model, tok, data, block_len, batch_size, train.fit.seed)
     res = train_nsn(model, task, train, checkpoint_dir=ckpt, progress=progress,
                     settings={"data": result["data"], "batch_size": batch_size, "max_len": max_len}, unshard=False)
     result["train"] = _train_summary(res, train)
