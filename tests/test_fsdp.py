@@ -218,6 +218,7 @@ def test_a_sharded_save_that_fails_on_rank_0_ends_every_rank_and_writes_nothing(
 @pytest.mark.parametrize("argv_extra,message", [
     (["--batch-size", "3"], "does not split evenly over 2 ranks"),
     (["--train-steps", "0"], "give --train-steps"),
+    (["--layerwise"], "already reads a language model's checkpoint into the shards"),
 ])
 def test_bad_launches_are_refused_on_every_rank(tmp_path, argv_extra, message):
     out = str(tmp_path / "two")

@@ -111,9 +111,12 @@ def _nest_layerwise(args, cfg) -> dict:
     from ..methods.nsn.layerwise import nest_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
-    if args.train_steps or args.data or parallel.launched():
-        raise MLPSurgeryError("--layerwise nests without training (--train-steps 0, no --data, one process): train "
-                              "the folder it writes afterwards, or drop --layerwise")
+    if parallel.launched():
+        raise MLPSurgeryError("--layerwise runs as one process; under torchrun `nest` already reads a language "
+                              "model's checkpoint into the shards one layer at a time: drop --layerwise")
+    if args.train_steps or args.data:
+        raise MLPSurgeryError("--layerwise nests without training (--train-steps 0, no --data): train the folder it "
+                              "writes afterwards, or drop --layerwise")
     model = args.words[0] if args.words else None
     check_out(args.out, args.overwrite, inputs=[model])
     folder, source, name = checkpoint_folder(model)
