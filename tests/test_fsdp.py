@@ -94,15 +94,17 @@ def _saved(tmp_path, arch: str) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # untied; tied embeddings and Conv1D
-def test_nest_of_a_checkpoint_loads_into_shards_and_equals_one_process(tmp_path, arch):
+@pytest.mark.parametrize("arch,dtype", [("llama", None), ("gpt2", None), ("llama", "bfloat16")])  # untied; tied
+def test_nest_of_a_checkpoint_loads_into_shards_and_equals_one_process(tmp_path, arch, dtype):  # and Conv1D
     """Under torchrun `nest` reads the checkpoint into FSDP shards one layer at a time, nesting each layer while
-    it is whole: the trained model, its history and its recorded source equal one process's."""
+    it is whole: the trained model, its history and its recorded source equal one process's (in bfloat16 within
+    its resolution: the ranks sum in another order)."""
     from mlpsurgery.cli import main
     from mlpsurgery.io import read_manifest
 
     folder = _saved(tmp_path, arch)
-    argv = lambda out: [folder if a == f"tiny:{arch}" else a for a in nest_args(tmp_path, arch, out)]  # noqa: E731
+    extra = ["--dtype", dtype] if dtype else []
+    argv = lambda out: [folder if a == f"tiny:{arch}" else a for a in nest_args(tmp_path, arch, out, *extra)]  # noqa: E731
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     assert main(argv(one)) == 0
     (c0, log0), (c1, log1) = ranks(tmp_path, argv(two))
@@ -110,11 +112,55 @@ def test_nest_of_a_checkpoint_loads_into_shards_and_equals_one_process(tmp_path,
     r0 = _json(log0)
     assert r0["loaded_into_shards"] and _json(log1)["rank"] == 1
     a, b = load(one), load(two)
+    tol = {"rtol": 1.6e-2, "atol": 2e-3} if dtype else {"rtol": 1e-4, "atol": 2e-6}
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
+        assert q.dtype == p.dtype == (torch.bfloat16 if dtype else torch.float32)
+        torch.testing.assert_close(q, p, **tol, msg=name)
     ma, mb = read_manifest(one), read_manifest(two)
     assert mb["source"] == ma["source"] and mb["modules"] == ma["modules"]
     assert [h["method"] for h in mb["history"]] == [h["method"] for h in ma["history"]] == ["nsn", "nsn-train"]
+
+
+def test_nest_of_a_checkpoint_stopped_under_two_ranks_resumes_in_one_process(tmp_path):
+    """The CLI path end to end: a run loaded into shards and stopped after its step-2 checkpoint (streamed, a tensor
+    at a time) is resumed by the same command in one process -- which refuses a checkpoint of another model or other
+    settings, so the sharded run's identity (model fingerprint) must be the whole model's -- and ends where an
+    uninterrupted one-process run ends."""
+    import dataclasses
+
+    from mlpsurgery.cli import main
+
+    folder = _saved(tmp_path, "llama")
+    argv = lambda out, ck: [folder if a == "tiny:llama" else a for a in nest_args(tmp_path, "llama", out)] + [  # noqa: E731
+        "--checkpoint", ck]
+    assert main(argv(str(tmp_path / "ref"), str(tmp_path / "ck-ref"))) == 0
+    ckpt = str(tmp_path / "ck")
+
+    def stopped():
+        import mlpsurgery.methods.nsn.training as training
+
+        real = training.fit
+
+        def fit_then_stop(params, loss_fn, cfg, **kw):
+            def loss(step):
+                if step == 3:
+                    raise SystemExit(7)  # a crash after the step-2 checkpoint
+                return loss_fn(step)
+            return real(params, loss, dataclasses.replace(cfg, checkpoint_every=2), **kw)
+
+        training.fit = fit_then_stop
+        return main(argv(str(tmp_path / "out"), ckpt))
+
+    results = run_ranks(tmp_path, stopped)
+    assert all(c == 1 and "SystemExit: 7" in log for c, log in results), results[0][1][-3000:] + results[1][1][-3000:]
+    assert json.loads(open(os.path.join(ckpt, "state.json")).read()) and not (tmp_path / "out").exists()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv(str(tmp_path / "out"), ckpt)) == 0
+    assert _json(buf.getvalue())["train"]["resumed_from"] == 2
+    a, b = load(tmp_path / "ref"), load(tmp_path / "out")
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=2e-6, msg=name)
 
 
 def test_loading_into_shards_holds_half_and_fingerprints_as_the_whole_model(tmp_path):
