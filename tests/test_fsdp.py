@@ -112,10 +112,13 @@ def test_nest_of_a_checkpoint_loads_into_shards_and_equals_one_process(tmp_path,
     r0 = _json(log0)
     assert r0["loaded_into_shards"] and _json(log1)["rank"] == 1
     a, b = load(one), load(two)
-    tol = {"rtol": 1.6e-2, "atol": 2e-3} if dtype else {"rtol": 1e-4, "atol": 2e-6}
+    # bfloat16: most entries agree within 5e-4; Adam moves an entry whose tiny gradient rounds to the other sign
+    # by up to lr per step the other way, so the bound is steps x lr (4 x 3e-3; measured: one entry of 2,048 at 2.3e-3)
+    tol = {"rtol": 1.6e-2, "atol": 1.2e-2} if dtype else {"rtol": 1e-4, "atol": 2e-6}
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert q.dtype == p.dtype == (torch.bfloat16 if dtype else torch.float32)
         torch.testing.assert_close(q, p, **tol, msg=name)
+        assert ((q.float() - p.float()).abs() > 1e-3).float().mean() < 0.01, name  # those are rare
     ma, mb = read_manifest(one), read_manifest(two)
     assert mb["source"] == ma["source"] and mb["modules"] == ma["modules"]
     assert [h["method"] for h in mb["history"]] == [h["method"] for h in ma["history"]] == ["nsn", "nsn-train"]
