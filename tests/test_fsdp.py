@@ -451,6 +451,38 @@ def _blocks_of(n, seed, t=32):
     return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # untied; tied embeddings
+def test_shard_copy_builds_the_sharded_copy_a_layer_at_a_time(tmp_path, arch):
+    """shard_copy (the attack suite's copy per run): each rank holds about half of the copy, the model it copies is
+    left as it was, flags set on the structure (a frozen parameter, gradient checkpointing) are kept, and the copy
+    unshards to the model's weights with its ties."""
+    def target():
+        parallel.init("cpu")
+        model = tiny_model(arch)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        frozen = next(n for n, _ in model.named_parameters() if "layers.1." in n or ".h.1." in n)
+
+        def structure(m):
+            dict(m.named_parameters())[frozen].requires_grad_(False)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return m
+
+        copy_ = parallel.shard_copy(model, "cpu", structure)
+        share = parallel.local_bytes(copy_.parameters()) / parallel.local_bytes(model.parameters())
+        assert parallel.is_sharded(copy_) and 0.4 < share < 0.65, share
+        assert not dict(copy_.named_parameters())[frozen].requires_grad
+        copy_(input_ids=torch.randint(3, 100, (1, 8))).logits.sum().backward()  # trains (checkpointed)
+        parallel.unshard(copy_)
+        assert copy_.is_gradient_checkpointing
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]) and torch.equal(dict(copy_.named_parameters())[n], p), n
+        if arch == "gpt2":
+            assert copy_.lm_head.weight is copy_.transformer.wte.weight
+
+    results = run_ranks(tmp_path, target)
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+
+
 def test_attack_suite_sharded_over_two_ranks_equals_one_process(tmp_path):
     from mlpsurgery.methods import dlr_lock as dl
 

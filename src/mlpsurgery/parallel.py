@@ -261,20 +261,85 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     for n in last:
         record.add(n, state[n])
     record.record()
-    # the rest (embeddings, norms, head) to the device, and the skeleton: the model's structure with the layers as
-    # they were sharded, every parameter on meta (the sharded layers swapped out meanwhile)
-    holder, leaf = _layer_list(model, stream.layers)
-    try:
+    same_on_every_rank("embeddings, norms or head", _fingerprint_outside(model, stream))
+    _shard_root(model, stream.layers, plain, mesh, device)
+    return Loaded(model.eval(), _tokenizer(folder), source), stream
+
+
+def _shard_root(model: nn.Module, layers: nn.ModuleList, plain: list[nn.Module], mesh, device) -> None:
+    """The last step of sharding a model whose decoder layers are sharded already: the rest (embeddings, norms,
+    head) to the device and sharded as the root unit, and the skeleton `unshard` needs recorded: the model's
+    structure with each layer as it was before sharding (`plain`), every parameter on meta."""
+    from torch.distributed.fsdp import fully_shard
+
+    holder, leaf = _layer_list(model, layers)
+    try:  # the sharded layers swapped out meanwhile
         holder._modules[leaf] = nn.ModuleList()
         model.to(device)
         holder._modules[leaf] = nn.ModuleList(plain)
         skeleton = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
     finally:
-        holder._modules[leaf] = stream.layers
-    same_on_every_rank("embeddings, norms or head", _fingerprint_outside(model, stream))
+        holder._modules[leaf] = layers
     fully_shard(model, mesh=mesh)
     _SKELETONS[id(model)] = skeleton
-    return Loaded(model.eval(), _tokenizer(folder), source), stream
+
+
+def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
+               structure: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+    """A sharded copy of `model` (which stays as it is), made one decoder layer at a time: the structure copied
+    with its weights on the meta device, `structure(copy)` applied to it there (flags only: requires_grad,
+    gradient checkpointing; it must not create weights), then each layer's weights cloned from `model` and the
+    layer sharded before the next -- instead of a deep copy of the whole model sharded afterwards, which held the
+    model twice on every rank. Every rank calls it with the same model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, size = world()
+    if size == 1:
+        raise MLPSurgeryError("sharding needs several processes: launch the command with torchrun --nproc-per-node N")
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) > 1:
+        raise MLPSurgeryError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
+                              "load it with --dtype")
+    device = torch.device(device)
+    new = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
+    if structure is not None:
+        new = structure(new)
+    source = dict(model.named_parameters(remove_duplicate=False))
+    paths = {id(m): n for n, m in new.named_modules()}
+    clones: dict[int, nn.Parameter] = {}  # id(model's parameter) -> its clone (tied ones cloned once)
+
+    def fill(module: nn.Module) -> None:
+        prefix = paths[id(module)] + "." if paths[id(module)] else ""
+        for name, p in list(module.named_parameters(remove_duplicate=False)):
+            if not p.is_meta:  # filled already (a tie), or sharded (a layer, when the root is filled)
+                continue
+            src = source[prefix + name]
+            if id(src) not in clones:
+                clones[id(src)] = nn.Parameter(src.detach().to(device).clone(), requires_grad=p.requires_grad)
+            owner, _, leaf = name.rpartition(".")
+            (module.get_submodule(owner) if owner else module)._parameters[leaf] = clones[id(src)]
+
+    mesh = init_device_mesh(device.type, (size,))
+    layers = find_layers(new)
+    plain: list[nn.Module] = []
+    for layer in layers:
+        fill(layer)
+        layer.to(device)
+        plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
+        fully_shard(layer, mesh=mesh)
+    fill(new)
+    _shard_root(new, _layer_list_of(new, layers), plain, mesh, device)
+    return new
+
+
+def _layer_list_of(model: nn.Module, layers) -> nn.ModuleList:
+    """The ModuleList holding `layers` (find_layers gives a list of them)."""
+    first = layers[0]
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and mod[0] is first:
+            return mod
+    raise MLPSurgeryError("internal: the layer list is not in the model")
 
 
 def _meta(p: nn.Parameter) -> nn.Parameter:

@@ -95,6 +95,7 @@ def freeze(predicate: Callable[[str], bool]) -> Callable[[nn.Module], nn.Module]
             raise MLPSurgeryError("the attack freezes every parameter; nothing is left to train")
         return model
 
+    prepare.flags_only = True  # it sets flags, creates no weights: runs on a copy whose weights are not made yet
     return prepare
 
 
@@ -104,22 +105,33 @@ def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
     torchrun with several ranks: sharded with FSDP2, every rank calling it with the same arguments)."""
     from .. import parallel
 
-    m = copy.deepcopy(model)
-    for p in m.parameters():
-        p.requires_grad_(True)
-    if prepare is not None:  # what it draws (LoRA's A matrices) is the same in every run and on every rank
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):  # the caller's generators go on as they were
-            torch.manual_seed(cfg.seed)
-            m = prepare(m)
-    if cfg.gradient_checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    def structure(m: nn.Module) -> nn.Module:
+        for p in m.parameters():
+            p.requires_grad_(True)
+        if prepare is not None:  # what it draws (LoRA's A matrices) is the same in every run and on every rank
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=devices):  # the caller's generators go on as they were
+                torch.manual_seed(cfg.seed)
+                m = prepare(m)
+        if cfg.gradient_checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
     sharded = parallel.world()[1] > 1
     if sharded:  # FSDP splits each rank's copy: they must be the same model
         from ..files import model_fingerprint
 
-        parallel.same_on_every_rank("models to attack", model_fingerprint(m))
-        parallel.shard(m, next(m.parameters()).device)
+        device = next(model.parameters()).device
+        if prepare is None or getattr(prepare, "flags_only", False):
+            # the copy made and sharded a layer at a time (the rank never holds the model twice)
+            parallel.same_on_every_rank("models to attack", model_fingerprint(model))
+            m = parallel.shard_copy(model, device, structure)
+        else:  # LoRA draws and wraps on real weights: a whole copy, sharded after
+            m = structure(copy.deepcopy(model))
+            parallel.same_on_every_rank("models to attack", model_fingerprint(m))
+            parallel.shard(m, device)
+    else:
+        m = structure(copy.deepcopy(model))
     m.train()
     params = trainable(m)
     sample = parallel.rows(train_blocks[:cfg.batch], m)  # one rank's share of a step's batch when sharded

@@ -263,6 +263,9 @@ def _checkpoint_dlr(model: nn.Module) -> nn.Module:
     return model
 
 
+_checkpoint_dlr.flags_only = True  # a flag on modules, no weights: the sharded copy is made a layer at a time
+
+
 def _mlp_prefixes(model: nn.Module) -> list[str]:
     path_of = {id(m): n for n, m in model.named_modules()}
     return [path_of[id(m)] + "." for s in find_sites(model).mlp for m in s.modules() if id(m) in path_of]
