@@ -180,19 +180,26 @@ def _write_weights(model: nn.Module, path: Path) -> None:
     first name, the others named in the metadata), one tensor at a time and with the metadata in sorted order:
     save_model writes it in the order of a Rust hash map, which changes from run to run, so the same model gave
     files that differed byte-wise (and in the manifest's digests)."""
-    from .tensorfiles import SafetensorsWriter, shared_names
-
     state = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
-    tied = shared_names(state)
-    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in tied}
-    writer = SafetensorsWriter(path, layout, {"format": "pt", **tied})
+    writer = weights_writer(state, path)
     try:
-        for n in layout:
+        for n in writer.slots:
             writer.write(n, state[n].detach())
     except BaseException:
         writer.abandon()  # the temporary folder goes with it
         raise
     writer.close()
+
+
+def weights_writer(state: dict, path: Path):
+    """The SafetensorsWriter of the weights file of a model whose state dict (keep_vars=True: tied tensors are one
+    object; sharded ones give their full shapes) is `state`: tied copies once, under the alphabetically first name,
+    the others named in the metadata (`tensorfiles.shared_names`), as safetensors' save_model lays it out."""
+    from .tensorfiles import SafetensorsWriter, shared_names
+
+    tied = shared_names(state)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in tied}
+    return SafetensorsWriter(path, layout, {"format": "pt", **tied})
 
 
 @contextlib.contextmanager

@@ -167,10 +167,7 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
         raise MLPSurgeryError("sharding needs several processes: launch the command with torchrun --nproc-per-node N")
     if is_sharded(model):
         return model
-    dtypes = {p.dtype for p in model.parameters()}
-    if len(dtypes) > 1:
-        raise MLPSurgeryError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
-                              "load it with --dtype")
+    _one_dtype(model.parameters(), "the model")
     # the structure before sharding, with every parameter on the meta device (no memory): `unshard` fills it with
     # the trained weights and swaps it back in, so the caller's model object becomes the plain model again
     skeleton = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
@@ -183,13 +180,12 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
     return model
 
 
-def _fingerprint(mod: nn.Module) -> str:
-    from .files import Fingerprint
-
-    fp = Fingerprint(mod)
-    for name, t in mod.state_dict().items():
-        fp.add(name, t)
-    return fp.hexdigest()
+def _one_dtype(params, what: str) -> None:
+    """Refuse parameters of several dtypes (FSDP shards a unit's parameters as one flat buffer)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise MLPSurgeryError(f"{what} mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
+                              "load it with --dtype")
 
 
 def load_sharded(spec: str | None, device: str | torch.device = "cpu",
@@ -207,6 +203,7 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     from torch.distributed.fsdp import fully_shard
     from tqdm.auto import tqdm
 
+    from .files import model_fingerprint
     from .layerwise import LayerStream, SourceRecord, trim_heap
     from .models import DEFAULT_MODEL, Loaded, _tokenizer, checkpoint_folder, load_model, working_dtype
 
@@ -249,12 +246,9 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
         if work is not None:
             work(model, i)
         layer = stream.layers[i].to(device)
-        dtypes = {p.dtype for p in (*layer.parameters(), *resident)}
-        if len(dtypes) > 1:
-            raise MLPSurgeryError(f"layer {i} and the embeddings mix parameter dtypes {sorted(map(str, dtypes))}; "
-                                  "FSDP needs one: load the model with --dtype")
+        _one_dtype([*layer.parameters(), *resident], f"layer {i} with the embeddings")
         same_on_every_rank(f"weights of layer {i} (after loading{' and surgery' if work else ''})",
-                           _fingerprint(layer))
+                           model_fingerprint(layer))
         plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
         fully_shard(layer, mesh=mesh)
         trim_heap()
@@ -262,17 +256,18 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
         record.add(n, state[n])
     record.record()
     same_on_every_rank("embeddings, norms or head", _fingerprint_outside(model, stream))
-    _shard_root(model, stream.layers, plain, mesh, device)
+    _shard_root(model, plain, mesh, device)
     return Loaded(model.eval(), _tokenizer(folder), source), stream
 
 
-def _shard_root(model: nn.Module, layers: nn.ModuleList, plain: list[nn.Module], mesh, device) -> None:
+def _shard_root(model: nn.Module, plain: list[nn.Module], mesh, device) -> None:
     """The last step of sharding a model whose decoder layers are sharded already: the rest (embeddings, norms,
     head) to the device and sharded as the root unit, and the skeleton `unshard` needs recorded: the model's
     structure with each layer as it was before sharding (`plain`), every parameter on meta."""
     from torch.distributed.fsdp import fully_shard
 
-    holder, leaf = _layer_list(model, layers)
+    holder, leaf = _layer_list(model)
+    layers = holder._modules[leaf]
     try:  # the sharded layers swapped out meanwhile
         holder._modules[leaf] = nn.ModuleList()
         model.to(device)
@@ -297,10 +292,7 @@ def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
     rank, size = world()
     if size == 1:
         raise MLPSurgeryError("sharding needs several processes: launch the command with torchrun --nproc-per-node N")
-    dtypes = {p.dtype for p in model.parameters()}
-    if len(dtypes) > 1:
-        raise MLPSurgeryError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
-                              "load it with --dtype")
+    _one_dtype(model.parameters(), "the model")
     device = torch.device(device)
     new = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
     if structure is not None:
@@ -329,17 +321,8 @@ def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
         plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
         fully_shard(layer, mesh=mesh)
     fill(new)
-    _shard_root(new, _layer_list_of(new, layers), plain, mesh, device)
+    _shard_root(new, plain, mesh, device)
     return new
-
-
-def _layer_list_of(model: nn.Module, layers) -> nn.ModuleList:
-    """The ModuleList holding `layers` (find_layers gives a list of them)."""
-    first = layers[0]
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and mod[0] is first:
-            return mod
-    raise MLPSurgeryError("internal: the layer list is not in the model")
 
 
 def _meta(p: nn.Parameter) -> nn.Parameter:
@@ -355,11 +338,12 @@ def _fingerprint_outside(model: nn.Module, stream) -> str:
     return fp.hexdigest()
 
 
-def _layer_list(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, str]:
-    """(the module holding `layers`, its attribute name)."""
+def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the module holding the model's list of decoder layers, the list's attribute name)."""
+    first = find_layers(model)[0]
     for mod in model.modules():
         for k, child in mod._modules.items():
-            if child is layers:
+            if isinstance(child, nn.ModuleList) and len(child) and child[0] is first:
                 return mod, k
     raise MLPSurgeryError("internal: the layer list is not in the model")
 
@@ -435,21 +419,20 @@ def save_sharded(model: nn.Module, out: str | Path, tokenizer=None, overwrite: b
     writes of the same model), then every rank's model is the plain structure with its weights on the meta device
     (to be dropped). A failure on rank 0 is raised on every rank once the gathers are done (nothing is written)."""
     from . import io
-    from .tensorfiles import SafetensorsWriter, shared_names
+    from .tensorfiles import shared_names
 
     rank, _ = world()
     if not is_sharded(model):
         raise MLPSurgeryError("internal: save_sharded needs a sharded model (io.save saves a plain one)")
     state = model.state_dict(keep_vars=True)
     tied = shared_names(state)
-    layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items() if n not in tied}
-    buffers = {n: t for n, t in state.items() if n in layout and not isinstance(t, nn.Parameter)}
+    buffers = {n: t for n, t in state.items() if n not in tied and not isinstance(t, nn.Parameter)}
     stack = contextlib.ExitStack()
 
     def prepare():  # rank 0: the temporary folder and the weights file's header (a refusal ends every rank)
         tmp = stack.enter_context(io.streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite,
                                                    inputs=inputs))
-        return SafetensorsWriter(tmp / io.WEIGHTS, layout, {"format": "pt", **tied})
+        return io.weights_writer(state, tmp / io.WEIGHTS)
 
     writer = on_rank0(prepare)
     failure: list[BaseException] = []
@@ -473,11 +456,18 @@ def save_sharded(model: nn.Module, out: str | Path, tokenizer=None, overwrite: b
                 writer.close()
     except BaseException as e:  # noqa: BLE001 - told to the other ranks, then raised
         failure[:] = [e]
-    told = from_rank0(None if not failure else f"{type(failure[0]).__name__}: {failure[0]}")
-    if failure:
-        raise failure[0]
+    rank0_outcome(failure[0] if failure else None, f"save {out}")
+
+
+def rank0_outcome(failure: BaseException | None, what: str) -> None:
+    """Every rank learns whether rank 0 did `what` (a write only rank 0 makes): rank 0's failure is raised there
+    and, worded, on the others -- instead of the others waiting at the next collective for a rank that is gone.
+    A collective: every rank calls it."""
+    told = from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
+    if failure is not None:
+        raise failure
     if told is not None:
-        raise MLPSurgeryError(f"rank 0 could not save {out} ({told})")
+        raise MLPSurgeryError(f"rank 0 could not {what} ({told})")
 
 
 _PLAIN = (bool, int, float, str, type(None))

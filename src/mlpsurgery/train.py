@@ -149,19 +149,7 @@ def save_checkpoint(folder: str | Path, state: dict, sharded: bool = False) -> N
             stack.__exit__(type(failure[0]), failure[0], failure[0].__traceback__)  # the temporary folder removed
         else:
             stack.close()  # swapped into place
-    _rank0_outcome(failure[0] if failure else None, folder)
-
-
-def _rank0_outcome(failure: BaseException | None, folder) -> None:
-    """Every rank learns whether rank 0 wrote the checkpoint: its failure raised there and on the others (instead
-    of the others waiting at the next collective for a rank that is gone)."""
-    from . import parallel
-
-    told = parallel.from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
-    if failure is not None:
-        raise failure
-    if told is not None:
-        raise MLPSurgeryError(f"rank 0 could not write the checkpoint {folder} ({told})")
+    parallel.rank0_outcome(failure[0] if failure else None, f"write the checkpoint {folder}")
 
 
 def load_checkpoint(folder: str | Path) -> dict | None:
@@ -461,7 +449,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                         save_checkpoint(ckpt, state)
                     except BaseException as e:  # noqa: BLE001 - raised on every rank
                         failure = e
-                _rank0_outcome(failure, ckpt)
+                parallel.rank0_outcome(failure, f"write the checkpoint {ckpt}")
 
     t0 = time.perf_counter() - elapsed
     done = start  # steps whose update is complete: what a checkpoint written now may claim
