@@ -109,6 +109,10 @@ def cpu_name() -> str:
     return f"{name}, {'with' if bf16 else 'no'} bfloat16 instructions"
 
 
+DLR_SMALL = ["--calib-blocks", "16", "--block-len", "128", "--phase1-steps", "4", "--onpolicy-steps", "2",
+             "--start-tokens", "1024", "--phase2-steps", "0", "--eval-tokens", "0"]
+
+
 def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: str = "fusion"
              ) -> list[tuple[str, list[str]]]:
     """(label, argv) of every command measured, in the order they run (unlock and export use earlier outputs)."""
@@ -152,6 +156,12 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
                                                        "--out", str(w / "twist-k6")]),
         ("twist extract --keep 6 (of 12 MLP chunks) --layerwise", ["twist", "extract", model, *d, "--keep", "6",
                                                                    "--layerwise", "--out", str(w / "twist-k6-lw")]),
+        # DLR-Lock's phase 1 (capture, closed-form start, steps, on-policy steps; no phase 2) at a small budget: the
+        # whole-model run trains every layer's net side by side, the layer-by-layer one a layer's net at a time
+        ("lock dlr phase 1 only (16 blocks x 128 tokens; 4 + 2 steps)", ["lock", "dlr", model, *d, *DLR_SMALL,
+                                                                            "--out", str(w / "dlr")]),
+        ("lock dlr phase 1 only (16 blocks x 128 tokens; 4 + 2 steps) --layerwise",
+         ["lock", "dlr", model, *d, *DLR_SMALL, "--layerwise", "--out", str(w / "dlr-lw")]),
         # layer-by-layer commands chained: the subnet folder above (mlpsurgery's, with narrowed layers) read back
         ("prune magnitude 50% --layerwise (of the layer-by-layer subnet)",
          ["prune", str(w / "twist-k6-lw"), *d, "--method", "magnitude", "--sparsity", "0.5", "--layerwise",

@@ -12,6 +12,7 @@ The forward pass stops after the last chosen layer (nothing downstream is comput
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -226,3 +227,59 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         for hnd in handles:
             hnd.remove()
     return cap
+
+
+@contextlib.contextmanager
+def layer_capture(site, n_blocks: int, block_len: int, batch_size: int, out_dir: str | Path, fp: str,
+                  dtype: torch.dtype = torch.float32, layer: int = 0):
+    """(x, y) of one layer's MLP sub-block `site` while the caller runs that layer over every calibration batch in
+    order (layerwise.LayerStream.run): the layer-by-layer form of capture_mlp_io. Chunk k is batch k, written under
+    the same names and format (x.LAYER, y.LAYER), so open_capture and everything reading a capture read it alike.
+    Yields (the Capture, whether the layer must still run for it). Resumable: chunks already written are kept, not
+    rewritten; a folder made from other inputs (`fp`, the caller's digest of what reaches this layer) is refused."""
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    n_chunks = (n_blocks + batch_size - 1) // batch_size
+    d = site.config.hidden_size
+    cap = Capture(layers=[layer], d=d, root=root, n_chunks=n_chunks,
+                  tokens_per_chunk=[min(batch_size, n_blocks - k * batch_size) * block_len for k in range(n_chunks)])
+    meta_path = root / "capture.json"
+    if meta_path.exists():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError:
+            raise IntegrityError(f"{meta_path} is corrupted; delete the folder {root} to capture afresh") from None
+        if meta.get("fingerprint") != fp:
+            raise MLPSurgeryError(f"{root} holds a capture of another model, data or layer set; "
+                                  "choose an empty folder or delete it")
+    else:
+        meta_path.write_text(json.dumps({"fingerprint": fp, "layers": [layer], "n_chunks": n_chunks,
+                                         "batch_size": batch_size, "dtype": str(dtype)}))
+    paths = [root / f"chunk_{k:05d}.safetensors" for k in range(n_chunks)]
+    if all(p.exists() for p in paths):
+        yield cap, False
+        return
+    state = {"k": 0, "x": None}
+
+    def pre(mod, args):
+        state["x"] = args[0].detach().reshape(-1, d)
+
+    def post(mod, args, out):
+        delta = out[0] if isinstance(out, tuple) else out
+        x, k = state["x"], state["k"]
+        state["k"] += 1
+        if k < n_chunks and not paths[k].exists():
+            chunk = {f"x.{layer}": x.to(dtype=dtype, device="cpu").contiguous(),
+                     f"y.{layer}": (x + delta.detach().reshape(-1, d)).to(dtype=dtype, device="cpu").contiguous()}
+            tmp = paths[k].with_suffix(".tmp")
+            save_file(chunk, str(tmp))
+            os.replace(tmp, paths[k])
+
+    handles = [site.entry.register_forward_pre_hook(pre), site.exit.register_forward_hook(post)]
+    try:
+        yield cap, True
+    finally:
+        for h in handles:
+            h.remove()
+    if state["k"] != n_chunks:
+        raise MLPSurgeryError(f"internal: layer {layer} ran {state['k']} batches, its capture expects {n_chunks}")

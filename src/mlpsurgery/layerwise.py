@@ -322,9 +322,10 @@ class LayerStream:
         hidden = [self._store(h, self.disk, f"in-{b}") for b, h in enumerate(hidden)]
         return Activations(hidden, calls)
 
-    def run(self, i: int, acts: Activations, keep: bool = True) -> Activations | None:
+    def run(self, i: int, acts: Activations, keep: bool = True, tag: str = "") -> Activations | None:
         """Layer i (materialised) over every batch: the next layer's inputs (keep=False: only for the hooks on
-        the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done."""
+        the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done. tag: a name
+        prefix for the files of a second stream of activations beside the first (e.g. through replaced layers)."""
         layer = self.layers[i]
         out = []
         with torch.no_grad():
@@ -333,12 +334,12 @@ class LayerStream:
                 y = layer(h, *args, **kwargs)
                 if keep:
                     y = y[0] if isinstance(y, (tuple, list)) else y
-                    out.append(self._store(y, self.disk, f"layer{i}-{b}"))
+                    out.append(self._store(y, self.disk, f"{tag}layer{i}-{b}"))
         if not keep:
             return None
         if self.disk:
             for b in range(len(acts.hidden)):
-                (self.spill_dir / f"{'in' if i == 0 else f'layer{i - 1}'}-{b}.bin").unlink(missing_ok=True)
+                (self.spill_dir / f"{'in' if i == 0 else f'{tag}layer{i - 1}'}-{b}.bin").unlink(missing_ok=True)
         return Activations(out, acts.calls)
 
     # -- the output file ----------------------------------------------------------------------------------

@@ -22,16 +22,26 @@ def run_lock(args) -> dict:
     from .. import parallel
     from ..data import load_corpus
     from ..files import check_state, claim, model_fingerprint, remove_ours
-    from ..io import check_out, save
+    from ..io import check_out, check_source, save, source_spec
     from ..measure.memory import peak_rss
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
-    from ..methods.dlr_lock import DLRConfig, dlr_lock, plan, rank_for_depth
+    from ..methods.dlr_lock import DLRConfig, continue_phase2, dlr_lock, plan, rank_for_depth
     from ..methods.dlr_lock.distributed import check_ranks
     from ..models import check_context, load_model
 
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
-    inputs = [args.model, args.data, args.second_corpus]
+    inputs = [args.model, args.data, args.second_corpus, args.original]
+    if args.max_memory is not None and not args.layerwise:
+        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
+    if args.original and not args.phase2_only:
+        raise MLPSurgeryError("--original names the model a locked folder was made from, for --phase2-only: add "
+                              "--phase2-only, or drop --original")
+    if args.layerwise:
+        if args.phase2_only:
+            raise MLPSurgeryError("--phase2-only trains the whole locked model (one process, or sharded under "
+                                  "torchrun); drop --layerwise")
+        return _lock_layerwise(args, out, work, inputs)
     device, rank, world = join_ranks(args)  # torchrun: phase 1 split by layer over the ranks, phase 2 sharded
 
     def claims():  # rank 0's; every rank hears of a refusal
@@ -42,22 +52,39 @@ def run_lock(args) -> dict:
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model)
     model, tok = loaded.model.to(device), loaded.require_tokenizer()
-    cfg = DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
-                    calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
-                    phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
-                    phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
-                    phase1_loss=args.phase1_loss, phase1_hard_fraction=args.phase1_hard_fraction, compile=not args.no_compile,
-                    phase1_start=args.phase1_start, start_tokens=args.start_tokens,
-                    onpolicy_steps=args.onpolicy_steps, onpolicy_mix=args.onpolicy_mix, onpolicy_lr=args.onpolicy_lr,
-                    gradient_checkpointing=not args.no_checkpointing, seed=args.seed,
-                    memory_limit_gb=args.memory_gb)
-    if args.depth and not args.rank:
-        from ..sites import find_sites
+    cfg = _config(args)
+    original = model  # the teacher: the model itself, or (--phase2-only) the one the locked folder was made from
+    if args.phase2_only:
+        from ..methods.dlr_lock import dlr_parameters
 
-        _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
-        cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
-    cfg.validate()
-    check_ranks(plan(model, cfg)[0])  # the layer selection and the model's MLPs are checked before anything is written
+        if not dlr_parameters(model):
+            raise MLPSurgeryError(f"{args.model} holds no DLR-Nets: --phase2-only continues a folder `lock dlr` wrote "
+                                  "(e.g. with --layerwise --phase2-steps 0); drop --phase2-only to lock this model")
+        if cfg.phase2_steps < 1:
+            raise MLPSurgeryError("--phase2-only needs --phase2-steps >= 1")
+        spec = args.original or source_spec(model)
+        if not spec:
+            raise MLPSurgeryError("the locked folder names its original model only by name and fingerprint; pass "
+                                  "--original MODEL (it is checked against the fingerprint)")
+        import torch
+
+        from ..io import read_manifest
+        from ..models import checkpoint_folder
+
+        # read in the dtype it was locked in (what its recorded fingerprint is of), then run in the working one
+        saved = read_manifest(checkpoint_folder(args.model)[0]).get("dtype")
+        stage(args, f"loading the original model {model_name(spec)}")
+        original = load_model(spec, dtype=getattr(torch, saved) if saved else None).model
+        check_source(model, original, spec)
+        original.to(device=device, dtype=next(model.parameters()).dtype)
+    else:
+        if args.depth and not args.rank:
+            from ..sites import find_sites
+
+            _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
+            cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
+        cfg.validate()
+        check_ranks(plan(model, cfg)[0])  # the layer selection and the MLPs are checked before anything is written
     check_context(model, cfg.block_len)
     vocab = getattr(model.config, "vocab_size", None)
     if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
@@ -65,10 +92,6 @@ def run_lock(args) -> dict:
     data = args.data or DEFAULT_DATA
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
-    calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
-    if len(calib) < 2:
-        raise MLPSurgeryError(f"the training split of {corpus.source} gives {len(calib)} block of {cfg.block_len} "
-                              "tokens; phase 1 needs at least 2: give more text or a smaller --block-len")
     p2 = corpus.blocks("train", cfg.block_len, max_blocks=cfg.phase2_blocks, seed=cfg.seed + 1)
     causal = is_causal_lm(model)
     evals: dict[str, dict] = {}
@@ -77,23 +100,33 @@ def run_lock(args) -> dict:
         second = load_corpus(args.second_corpus, tok)
     block = default_block_len(model)
 
-    def measure(stage: str):
+    def measure(stage: str, m=model):
         if not (causal and args.eval_tokens) or rank != 0:  # rank 0 measures (the others go on to the next gather)
             return
-        row = {"heldout": perplexity(model, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
+        row = {"heldout": perplexity(m, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
                                      progress=not args.quiet, bos_id=corpus.bos).ppl}
         if second is not None:
-            row["second_corpus"] = perplexity(model, second.train + second.heldout, block_len=block,
+            row["second_corpus"] = perplexity(m, second.train + second.heldout, block_len=block,
                                               max_tokens=args.eval_tokens, progress=not args.quiet,
                                               bos_id=second.bos).ppl
         evals[stage] = row
 
-    # The work folder belongs to this model: its stages also record their own settings.
-    parallel.on_rank0(lambda: claim(work, "dlr-work", {"model": model_fingerprint(model)}, inputs=inputs + [out]))
-    measure("original")
+    # The work folder belongs to this model (and, for phase 2 alone, its original): its stages also record their
+    # own settings.
+    owner = {"model": model_fingerprint(model)}
+    if args.phase2_only:
+        owner["original"] = model_fingerprint(original)
+    parallel.on_rank0(lambda: claim(work, "dlr-work", owner, inputs=inputs + [out]))
+    measure("original", original)
     t0 = time.perf_counter()
-    report = dlr_lock(model, calib, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
-                      on_phase1=lambda m: measure("phase1"))
+    if args.phase2_only:
+        measure("phase1")
+        report = continue_phase2(model, original, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
+                                 on_teacher=lambda m: m.to("meta"))  # the original is not needed past its targets
+    else:
+        report = dlr_lock(model, _calibration(corpus, cfg), p2, cfg, work, progress=not args.quiet,
+                          data_name=corpus.source, on_phase1=lambda m: measure("phase1"))
+    del original
     seconds = time.perf_counter() - t0
     if rank != 0:  # rank 0 measures, saves and reports
         return {"rank": rank, "world_size": world, "seconds": seconds, "peak_rss_bytes": peak_rss()}
@@ -104,7 +137,7 @@ def run_lock(args) -> dict:
     if not kept:
         remove_ours(work)
     res = {"out": str(out), "model": loaded.source, "world_size": world, "peak_rss_bytes": peak_rss(),
-           "config": cfg.__dict__, "report": report.as_dict(),
+           "config": cfg.__dict__, "report": report.as_dict(), "phase2_only": args.phase2_only,
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
            "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
     if "original" in evals and "phase2" in evals:
@@ -112,13 +145,86 @@ def run_lock(args) -> dict:
     return res
 
 
+def _config(args):
+    from ..methods.dlr_lock import DLRConfig
+
+    return DLRConfig(rank=args.rank or 64, depth=args.depth, layers=args.layers, block_len=args.block_len,
+                     calib_blocks=args.calib_blocks, phase1_steps=args.phase1_steps, phase1_lr=args.phase1_lr,
+                     phase1_tokens=args.phase1_tokens, phase2_steps=args.phase2_steps, phase2_lr=args.phase2_lr,
+                     phase2_batch=args.phase2_batch, phase2_blocks=args.phase2_blocks, top_k=args.top_k,
+                     phase1_loss=args.phase1_loss, phase1_hard_fraction=args.phase1_hard_fraction,
+                     compile=not args.no_compile, phase1_start=args.phase1_start, start_tokens=args.start_tokens,
+                     onpolicy_steps=args.onpolicy_steps, onpolicy_mix=args.onpolicy_mix, onpolicy_lr=args.onpolicy_lr,
+                     gradient_checkpointing=not args.no_checkpointing, seed=args.seed, memory_limit_gb=args.memory_gb)
+
+
+def _calibration(corpus, cfg):
+    calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
+    if len(calib) < 2:
+        raise MLPSurgeryError(f"the training split of {corpus.source} gives {len(calib)} block of {cfg.block_len} "
+                              "tokens; phase 1 needs at least 2: give more text or a smaller --block-len")
+    return calib
+
+
+def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
+    """`lock dlr --layerwise`: capture and module-wise distillation one decoder layer at a time, read from the
+    checkpoint's files (methods/dlr_lock/layerwise.py); no phase 2, no perplexity (both need the whole model)."""
+    from .. import parallel
+    from ..data import load_corpus
+    from ..files import check_state, claim, remove_ours
+    from ..io import check_out
+    from ..measure.memory import peak_rss
+    from ..methods.dlr_lock import DLRConfig, plan, rank_for_depth
+    from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream, resident_digest
+    from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
+    from ..sites import find_sites
+
+    if parallel.world()[1] > 1:
+        raise MLPSurgeryError("--layerwise runs as one process (it reads one layer at a time): drop torchrun, or drop "
+                              "--layerwise")
+    cfg = _config(args)
+    check_layerwise(cfg)
+    check_out(out, args.overwrite, inputs=inputs + [work])
+    check_state(work, inputs=inputs + [out], what="work")
+    folder, source, name = checkpoint_folder(args.model)
+    tok = _tokenizer(folder)
+    if tok is None:
+        raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer files")
+    stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
+    stream = open_stream(folder, work, dtype=working_dtype(), max_memory_gb=args.max_memory)
+    if args.depth and not args.rank:
+        _, _, budget = plan(stream.model, DLRConfig(rank=1, layers=args.layers))
+        cfg.rank = rank_for_depth(budget, find_sites(stream.model).config.hidden_size, args.depth)
+    cfg.validate()
+    plan(stream.model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
+    check_context(stream.model, cfg.block_len)
+    data = args.data or DEFAULT_DATA
+    stage(args, f"reading and tokenising {data}")
+    corpus = load_corpus(data, tok)
+    calib = _calibration(corpus, cfg)
+    claim(work, "dlr-work-layerwise", {"model": resident_digest(stream)}, inputs=inputs + [out])
+    res = lock_layerwise(stream, out, cfg, calib, work, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work],
+                         source_name=name, progress=not args.quiet, data_name=corpus.source)
+    kept = args.keep_work or args.workdir is not None
+    if not kept:
+        remove_ours(work)
+    return {**res, "model": source, "world_size": 1, "peak_rss_bytes": peak_rss(), "config": cfg.__dict__,
+            "perplexity": {}, "data": corpus.source, "heldout": corpus.heldout_names,
+            "second_corpus": None, "workdir": str(work) if kept else None}
+
+
 def render_lock(r: dict) -> str:
     if "out" not in r:  # a torchrun rank other than 0
         return f"rank {r['rank']} of {r['world_size']} done"
     rep = r["report"]
-    lines = [f"locked {len(rep['layers'])} MLPs of {r['model']} -> {r['out']}",
-             f"  DLR-Nets: rank {rep['rank']}, depth {rep['depth']} ({rep['params_dlr']} parameters each vs "
-             f"{rep['params_mlp']} in the MLP); {r['seconds']:.0f} s"]
+    if r.get("phase2_only"):
+        lines = [f"phase 2 on the {len(rep['layers'])} DLR-Nets of {r['model']} -> {r['out']}",
+                 f"  DLR-Nets: rank {rep['rank']}, depth {rep['depth']} ({rep['params_dlr']} parameters each); "
+                 f"{r['seconds']:.0f} s"]
+    else:
+        lines = [f"locked {len(rep['layers'])} MLPs of {r['model']} -> {r['out']}",
+                 f"  DLR-Nets: rank {rep['rank']}, depth {rep['depth']} ({rep['params_dlr']} parameters each vs "
+                 f"{rep['params_mlp']} in the MLP); {r['seconds']:.0f} s"]
     if r["perplexity"]:
         rows = [{"stage": k, **{c: f"{v:.3f}" for c, v in row.items()}} for k, row in r["perplexity"].items()]
         lines += ["", table(rows)]
@@ -130,8 +236,14 @@ def render_lock(r: dict) -> str:
     errs = [{"layer": i, **({"start": f"{st[i]:.4f}"} if st else {}), "phase 1": f"{e:.4f}",
              **({"on-policy before": f"{ob[i]:.4f}", "on-policy after": f"{oa[i]:.4f}"} if oa else {}),
              "phase 2": f"{p2[i]:.4f}" if i in p2 else "-"} for i, e in rep["phase1_relative_error"].items()]
-    lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity"
-              + ("; on-policy: on the inputs the phase-1 nets produce" if oa else "") + "):", table(errs)]
+    producers = "the locked layers before it" if r.get("layerwise") else "the phase-1 nets"
+    if errs:  # (phase 2 alone captures nothing)
+        lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity"
+                  + (f"; on-policy: on the inputs {producers} produce" if oa else "") + "):", table(errs)]
+    if r.get("layerwise"):
+        lines.append(f"layer by layer ({r['dtype']}; activations {'on disk' if r['activations_on_disk'] else 'in RAM'})"
+                     f": phase 1 only, each layer on the inputs the locked layers before it produce; measure the "
+                     f"perplexity with `mlpsurgery eval ppl {r['out']}`")
     if r.get("workdir"):
         lines.append(f"work folder kept: {r['workdir']} (remove it when you no longer need to resume or rerun)")
     return "\n".join(lines)
@@ -311,6 +423,18 @@ def register(sub, groups) -> None:
                                      "you name is kept)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--layerwise", action="store_true",
+                   help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files: "
+                        "memory of one layer and its DLR-Net, not the model; each layer also on the inputs the "
+                        "locked layers before it produce (on-policy); no phase 2 (add --phase2-steps 0)")
+    p.add_argument("--max-memory", type=number(0), metavar="GB",
+                   help="with --layerwise: keep the calibration activations on disk when the working set would pass "
+                        "this many GiB (refused if one layer alone does not fit)")
+    p.add_argument("--phase2-only", action="store_true",
+                   help="MODEL is a folder `lock dlr` wrote (e.g. --layerwise --phase2-steps 0): run phase 2 alone on "
+                        "its DLR-Nets, against the original model it records (or --original)")
+    p.add_argument("--original", help=f"with --phase2-only: the model the locked folder was made from (default: the "
+                                      f"one it records; checked against its fingerprint); {MODEL_HELP}")
     p.add_argument("--seed", type=integer(0), default=0)
 
     p = command(groups["attack"], "dlr", run_attack, render_attack,

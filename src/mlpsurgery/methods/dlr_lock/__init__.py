@@ -16,8 +16,9 @@ must store activations for every one of the DLR-Net's blocks.
       surgery and stored. Encoders without an LM head distil the final hidden states (relative MSE).
 
 Files: config (settings, report, plan), captured (the captured pairs and their sampling), start (the closed-form
-start of phase 1), losses, modulewise (phase 1), logits (phase 2), workdir (resumable stages), lock (the whole lock), cost (what a locked
-model costs), attacks (the adaptive attacker).
+start of phase 1), losses, modulewise (phase 1), logits (phase 2), workdir (resumable stages), lock (the whole lock,
+and phase 2 alone on a locked model), layerwise (phase 1 one decoder layer at a time from the checkpoint's files),
+cost (what a locked model costs), attacks (the adaptive attacker).
 
 Everything intermediate lives in a work folder (capture, checkpoints, teacher targets): a killed run
 resumes where it stopped and nothing finished is recomputed.
@@ -28,14 +29,15 @@ from .attacks import (AttackSuiteConfig, ReversedSubblock, ReverseResult, adapta
 from .captured import capture_batch, split_chunks
 from .config import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig, DLRReport, plan, rank_for_depth
 from .cost import activation_memory_model, inference_times, locked_like
-from .lock import dlr_lock, install, module_errors
+from .lock import continue_phase2, dlr_lock, install, module_errors
 from .logits import dlr_parameters, phase2, teacher_targets
 from .losses import relative_error, token_relative_error, topk_kl
 from .modulewise import phase1
 
 __all__ = ["AttackSuiteConfig", "DLRConfig", "DLRReport", "PHASE1_LOSSES", "PHASE1_STARTS", "ReverseResult",
            "ReversedSubblock",
-           "activation_memory_model", "adaptation_costs", "attack_suite", "attack_table", "capture_batch", "dlr_lock",
+           "activation_memory_model", "adaptation_costs", "attack_suite", "attack_table", "capture_batch", "continue_phase2",
+           "dlr_lock",
            "dlr_parameters", "inference_times", "install", "install_reversed", "locked_like", "module_errors", "phase1", "phase2", "plan",
            "plot_adaptation", "plot_attack_suite", "rank_for_depth", "relative_error", "reverse_distill", "split_chunks", "teacher_targets",
            "token_relative_error", "topk_kl"]

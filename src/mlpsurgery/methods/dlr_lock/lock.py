@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ... import parallel
 from ...capture import fingerprint, open_capture
+from ...errors import MLPSurgeryError
 from ...io import record
 from ...modules.dlr import DLRNet
 from ...sites import find_sites
@@ -43,12 +44,8 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
     workdir = top if world == 1 else top / f"rank{rank}-of-{world}"
     model.eval()
     device = next(model.parameters()).device
-    targets_path = workdir / "teacher.safetensors"
-    teacher = {"fingerprint": fingerprint(model, phase2_blocks, top_k=cfg.top_k)} if cfg.phase2_steps > 0 else None
-    if teacher is not None and not _stage(workdir, "teacher", teacher):
-        # the teacher is the original model: its targets are computed before the surgery
-        _save_stage_file(targets_path, teacher_targets(model, phase2_blocks, cfg.top_k, progress=progress))
-        _finish(workdir, "teacher")
+    # the teacher is the original model: its targets are computed before the surgery
+    teacher = teacher_stage(model, phase2_blocks, cfg, workdir, progress) if cfg.phase2_steps > 0 else None
     nets, report = phase1(model, calib_blocks, cfg, workdir, progress, device=device)
     install(model, all_nets(nets))  # every rank's nets: each rank holds the whole locked model
     if on_phase1 is not None:
@@ -57,14 +54,7 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
         before = {"phase1": json.loads((workdir / "phase1.stage.json").read_text())["settings"]}
         if cfg.onpolicy_count > 0:  # (absent otherwise, so work folders from before the option still resume)
             before["onpolicy"] = json.loads((workdir / "onpolicy.stage.json").read_text())["settings"]
-        _stage(workdir, "phase2", {"teacher": teacher["fingerprint"], **before, **{k: getattr(cfg, k) for k in (
-            "phase2_steps", "phase2_lr", "phase2_batch", "seed")}})
-        targets = _stage_file(targets_path)
-        res = phase2(model, phase2_blocks, targets, cfg, top, progress)
-        _finish(workdir, "phase2")
-        report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
-        report.phase2_seconds = res.seconds
-        report.phase2_tokens_per_step = cfg.phase2_batch * phase2_blocks.shape[1]
+        phase2_stage(model, phase2_blocks, cfg, workdir, top, {"teacher": teacher, **before}, report, progress)
         report.phase2_relative_error = module_errors(model, workdir, report.layers, cfg)
     report = merge_reports(report)
     record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
@@ -73,6 +63,60 @@ def dlr_lock(model: nn.Module, calib_blocks: Tensor, phase2_blocks: Tensor, cfg:
            # the defender's one-off cost, beside which `attack dlr` sets the attacker's (capture and teacher excluded)
            distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds
            + report.phase2_seconds)
+    return report
+
+
+def teacher_stage(original: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, progress: bool = True) -> str:
+    """Phase 2's targets from the original model, computed once into the work folder; returns their fingerprint."""
+    fp = fingerprint(original, blocks, top_k=cfg.top_k)
+    if not _stage(workdir, "teacher", {"fingerprint": fp}):
+        _save_stage_file(workdir / "teacher.safetensors", teacher_targets(original, blocks, cfg.top_k,
+                                                                         progress=progress))
+        _finish(workdir, "teacher")
+    return fp
+
+
+def phase2_stage(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, top: Path, before: dict,
+                 report: DLRReport, progress: bool = True) -> None:
+    """Phase 2 on the installed DLR-Nets against the teacher_stage targets in `workdir`, a stage recording what it
+    continues (`before`: the teacher's fingerprint and the earlier stages' settings); its record goes to `report`."""
+    _stage(workdir, "phase2", {**before, **{k: getattr(cfg, k) for k in ("phase2_steps", "phase2_lr", "phase2_batch",
+                                                                           "seed")}})
+    res = phase2(model, blocks, _stage_file(workdir / "teacher.safetensors"), cfg, top, progress)
+    _finish(workdir, "phase2")
+    report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
+    report.phase2_seconds = res.seconds
+    report.phase2_tokens_per_step = cfg.phase2_batch * blocks.shape[1]
+
+
+def continue_phase2(model: nn.Module, original: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: str | Path,
+                    progress: bool = True, data_name: str = "", on_teacher=None) -> DLRReport:
+    """Phase 2 alone on a model whose MLPs are already DLR-Nets (a folder `lock dlr --layerwise` wrote: phase 1 one
+    layer at a time, in the memory of one layer), against `original`, the model it was locked from: the teacher's
+    targets on `blocks` first (then on_teacher(original) is called, e.g. to free it), then the logit distillation of
+    every installed net, resumable from `workdir`. Recorded in the model's history as a dlr_lock step of its own."""
+    cfg.validate()
+    if cfg.phase2_steps < 1:
+        raise MLPSurgeryError("continuing a locked model with phase 2 needs --phase2-steps >= 1")
+    nets = [m for m in model.modules() if isinstance(m, DLRNet)]
+    if not nets:
+        raise MLPSurgeryError("the model holds no DLR-Nets: phase 2 alone continues a folder `lock dlr` wrote (e.g. "
+                              "with --layerwise --phase2-steps 0)")
+    top = Path(workdir)
+    rank, world = parallel.world()
+    workdir = top if world == 1 else top / f"rank{rank}-of-{world}"  # (as dlr_lock keeps each rank's stages)
+    model.eval()
+    teacher = teacher_stage(original, blocks, cfg, workdir, progress)
+    if on_teacher is not None:
+        on_teacher(original)
+    sites = find_sites(model)
+    layers = [i for i in range(len(sites)) if isinstance(sites.mlp[i].module, DLRNet)]
+    first = sites.mlp[layers[0]].module
+    report = DLRReport(layers=layers, depth=first.depth, rank=first.rank, params_mlp=0,
+                       params_dlr=sum(p.numel() for p in first.parameters()))
+    phase2_stage(model, blocks, cfg, workdir, top, {"teacher": teacher}, report, progress)
+    record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, phase2_only=True,
+           phase2_steps=cfg.phase2_steps, distillation_seconds=report.phase2_seconds)
     return report
 
 

@@ -69,18 +69,20 @@ def _start(model: nn.Module, net: StackedDLR, train: _CapturedSet, val: _Capture
 
 
 def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, progress: bool = True,
-           device: str | torch.device = "cpu") -> tuple[dict[int, DLRNet], DLRReport]:
+           device: str | torch.device = "cpu", captured=None, onpolicy_captured=None) -> tuple[dict[int, DLRNet], DLRReport]:
     """Capture and module-wise distillation (the closed-form start, the steps on the original model's inputs, then
     the on-policy steps of onpolicy.py unless cfg.onpolicy_count is 0). Returns layer -> trained DLRNet and the
     report. Under torchrun each rank captures and trains its share of the layers (distributed.py) and returns its
-    nets; the on-policy capture runs every rank's phase-1 nets."""
+    nets; the on-policy capture runs every rank's phase-1 nets. captured / onpolicy_captured: the pairs, already
+    captured into workdir / "capture" (and "capture_onpolicy") by the caller (the layer-by-layer mode, layerwise.py)."""
     everything, depth, budget = plan(model, cfg)
     check_ranks(everything)
     layers = parallel.share(everything)
     d = find_sites(model).config.hidden_size
     dtype = getattr(torch, cfg.capture_dtype)
-    cap = capture_mlp_io(model, blocks, layers=layers, batch_size=capture_batch(len(blocks)),
-                         out_dir=workdir / "capture", dtype=dtype, progress=progress)
+    cap = captured if captured is not None else capture_mlp_io(
+        model, blocks, layers=layers, batch_size=capture_batch(len(blocks)), out_dir=workdir / "capture", dtype=dtype,
+        progress=progress)
     train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)
     train = _CapturedSet(cap, layers, train_chunks, cfg.memory_limit_gb)
     val = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
@@ -128,7 +130,7 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
         _finish(workdir, "phase1")
     if cfg.onpolicy_count > 0:
         onpolicy(model, blocks, net, forward, train, val, cfg, workdir, settings, report, progress,
-                 others=other_nets(net, layers))
+                 others=other_nets(net, layers), captured=onpolicy_captured)
     rel = _validate(net, val)
     report.phase1_relative_error = {i: float(r) for i, r in zip(layers, rel)}
     nets = {i: net.unstack(j) for j, i in enumerate(layers)}

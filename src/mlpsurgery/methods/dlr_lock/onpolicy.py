@@ -74,17 +74,19 @@ def mixed_sampler(teacher: _CapturedSet, onpol: _CapturedSet, mix: float, hard_f
 
 def onpolicy(model: nn.Module, blocks: Tensor, net: StackedDLR, forward, train: _CapturedSet, val: _CapturedSet,
              cfg: DLRConfig, workdir: Path, phase1_settings: dict, report: DLRReport, progress: bool,
-             others: dict[int, DLRNet] | None = None) -> None:
+             others: dict[int, DLRNet] | None = None, captured=None) -> None:
     """Continue `net` (phase 1's result, trained in place) on the on-policy mix; a stage of its own in workdir,
     resumable, refused when phase 1 or these settings differ. others: the phase-1 nets of the layers other ranks
-    distil (under torchrun), in the stream with this rank's."""
+    distil (under torchrun), in the stream with this rank's. captured: the on-policy pairs, already captured into
+    workdir / "capture_onpolicy" by the caller (the layer-by-layer mode, whose stream holds the finished nets)."""
     settings = {"phase1": phase1_settings, "onpolicy_steps": cfg.onpolicy_count, "onpolicy_mix": cfg.onpolicy_mix,
                 "onpolicy_lr": cfg.onpolicy_lr}
     done = workdir / "onpolicy.safetensors"
     layers = report.layers
     t0 = time.perf_counter()
-    cap = capture_onpolicy(model, blocks, net, layers, workdir / "capture_onpolicy", getattr(torch, cfg.capture_dtype),
-                           progress, others)  # (resumable; a finished capture is only opened)
+    cap = captured if captured is not None else capture_onpolicy(
+        model, blocks, net, layers, workdir / "capture_onpolicy", getattr(torch, cfg.capture_dtype), progress,
+        others)  # (resumable; a finished capture is only opened)
     train_chunks, val_chunks = split_chunks(cap.n_chunks, cfg.phase1_val_fraction)  # the same blocks as phase 1's
     val_on = _CapturedSet(cap, layers, val_chunks, cfg.memory_limit_gb)
     if _stage(workdir, "onpolicy", settings):

@@ -1,0 +1,198 @@
+"""DLR-Lock's module-wise distillation one decoder layer at a time, from the checkpoint's files (layerwise.py).
+
+A model larger than RAM is locked in the memory of one layer, its DLR-Net's training and the calibration
+activations: the skeleton's layers are read in turn (`layerwise.rewrite`); for each locked layer
+
+    1. the layer runs over the calibration batches (the inputs the original layers before it produce), and its
+       MLP sub-block's (x, y) pairs are written to the work folder as `capture_mlp_io` writes them;
+    2. with on-policy steps, the original layer also runs over the *on-policy* stream -- the inputs the locked
+       layers before it (already distilled, their nets installed) produce -- and the sub-block's answer to them is
+       recorded: (x', x' + MLP(x')), the original function on the inputs it will meet;
+    3. modulewise.phase1 distils the layer's DLR-Net on them (the closed-form start, phase-1 steps, the on-policy
+       steps), exactly as a whole-model run of that one layer (`--layers i`, seed + i) does;
+    4. the net is installed, the layer written to the output and dropped; the teacher stream goes on through the
+       original layer, the on-policy stream through the locked one.
+
+So a layer's net equals the one `lock dlr --layers i --seed S+i --phase2-steps 0` trains (tested), and the
+on-policy pairs are fully on-policy: every earlier layer is locked with its *final* net (in a whole-model run the
+on-policy capture runs the phase-1 nets before their own on-policy steps). Not here: phase 2 (end-to-end logit
+distillation), which trains every layer at once -- it needs the whole model, or FSDP under torchrun.
+
+Everything is resumable from the work folder (`layerNNN/` per locked layer, each with phase 1's own stages): a
+restarted run recomputes the streams through the finished layers (their nets read back) and goes on where it
+stopped. The captures record a digest of everything that reaches their layer (the data, the parts outside the
+layers, every earlier layer as read and, for the on-policy stream, as locked), so a work folder made from another
+model, other data or other earlier settings is refused, not mixed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ...capture import layer_capture
+from ...errors import MLPSurgeryError
+from ...files import Fingerprint, model_fingerprint
+from ...io import record
+from ...layerwise import LayerStream, rewrite
+from ...sites import find_sites
+from .captured import capture_batch
+from .config import DLRConfig, DLRReport, plan
+from .modulewise import phase1
+
+
+def check_layerwise(cfg: DLRConfig) -> None:
+    """Refuse what the layer-by-layer mode does not do, naming the way out."""
+    cfg.validate()
+    if cfg.phase2_steps:
+        raise MLPSurgeryError("--layerwise distils each MLP on its own, one layer in memory at a time; phase 2 trains "
+                              "the whole model end to end: add --phase2-steps 0 (for phase 2, run `lock dlr` on the "
+                              "whole model, or under torchrun), or drop --layerwise")
+
+
+def resident_digest(stream: LayerStream) -> str:
+    """The parts outside the layers (embeddings, final norm, head) with the model's class and config: what the work
+    folder is claimed for (each layer's digest is added as it is read)."""
+    fp = Fingerprint(stream.model)
+    for name, t in stream.resident_state().items():
+        fp.add(name, t)
+    return fp.hexdigest()
+
+
+def _chain(h: str, *parts) -> str:
+    return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
+
+
+def layer_seed(cfg: DLRConfig, i: int) -> int:
+    """Layer i's seed: its net, start and draws are those of a whole-model run of layer i alone with this seed."""
+    return cfg.seed + i
+
+
+def merge_layers(reports: list[DLRReport], layers: list[int], depth: int, rank: int, budget: int,
+                 params_dlr: int) -> DLRReport:
+    """One report from the per-layer ones: per-layer fields merged, stage times summed (the layers ran one after
+    the other), histories averaged over the layers step by step (every layer runs the same schedule)."""
+    out = DLRReport(layers=layers, depth=depth, rank=rank, params_mlp=budget, params_dlr=params_dlr)
+    for f in fields(DLRReport):
+        values = [getattr(r, f.name) for r in reports]
+        if not values or f.name in ("layers", "depth", "rank", "params_mlp", "params_dlr"):
+            continue
+        if f.name == "start_identity_layers":
+            setattr(out, f.name, sorted(i for v in values for i in v))
+        elif isinstance(values[0], dict):
+            setattr(out, f.name, dict(sorted((k, v) for part in values for k, v in part.items())))
+        elif f.name.endswith("_seconds"):
+            setattr(out, f.name, sum(values))
+        elif f.name.endswith("_history"):
+            setattr(out, f.name, _mean_history(values))
+        else:
+            setattr(out, f.name, values[0])
+    return out
+
+
+def _mean_history(histories: list[list[dict]]) -> list[dict]:
+    rows = []
+    for entries in zip(*histories):
+        row = {"step": entries[0]["step"]}
+        for key in ("relative_error", "loss"):
+            if all(key in e for e in entries):
+                row[key] = sum(e[key] for e in entries) / len(entries)
+        if all("time_s" in e for e in entries):
+            row["time_s"] = sum(e["time_s"] for e in entries)  # the layers' times added up
+        rows.append(row)
+    return rows
+
+
+def open_stream(folder: str | Path, workdir: str | Path, dtype=None, max_memory_gb: float | None = None) -> LayerStream:
+    """The checkpoint in `folder` as a LayerStream whose activations spill (past max_memory_gb) into the work folder."""
+    return LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb, spill_dir=Path(workdir) / "spill")
+
+
+def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks: Tensor, workdir: str | Path,
+                   tokenizer=None, overwrite: bool = False, inputs=(), source_name: str | None = None,
+                   progress: bool = True, data_name: str = "") -> dict:
+    """Lock the checkpoint `stream` reads (capture, closed-form start, phase 1, on-policy steps) one decoder layer at a
+    time and save the result to `out`. blocks: (N, T) calibration token ids (what `lock dlr` distils on). The work
+    folder (made and claimed by the caller, e.g. for `resident_digest(stream)`) holds the resumable per-layer
+    stages. Returns the report's dict."""
+    check_layerwise(cfg)
+    workdir = Path(workdir)
+    model = stream.model
+    sites = find_sites(model)
+    everything, depth, budget = plan(model, cfg)  # shapes only: the skeleton suffices
+    d = sites.config.hidden_size
+    onpolicy = cfg.onpolicy_count > 0
+    batch = capture_batch(len(blocks))
+    if (len(blocks) + batch - 1) // batch < 2:
+        raise MLPSurgeryError(f"{len(blocks)} calibration block gives one captured batch; phase 1 holds some out: "
+                              "give at least 2 (--calib-blocks)")
+    act_bytes = blocks.numel() * d * torch.empty(0, dtype=stream.dtype).element_size()
+    params = depth * (2 * d * cfg.rank + d + 1)
+    # beside the streams: the captured sets of one layer in RAM (phase 1's and, on-policy, its second), the net's
+    # training state (float32 weights, gradients, AdamW moments) and, on-policy, the second stream in and out
+    pairs = 2 * blocks.numel() * d * torch.empty(0, dtype=getattr(torch, cfg.capture_dtype)).element_size()
+    extra = (2 if onpolicy else 1) * pairs + 16 * params + (2 * act_bytes if onpolicy else 0)
+    acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
+    on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
+    start = _chain(resident_digest(stream), blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
+                   stream.dtype, cfg.capture_dtype)
+    chain = {"teacher": start, "onpolicy": start}
+    reports: list[DLRReport] = []
+    capture_dtype = getattr(torch, cfg.capture_dtype)
+    t0 = time.perf_counter()
+
+    def work(i: int) -> None:
+        nonlocal acts, on_acts
+        layer = stream.layers[i]
+        original = model_fingerprint(layer)
+        if i not in everything:
+            diverged = chain["onpolicy"] != chain["teacher"]  # (only once a layer before is locked)
+            if onpolicy and diverged:
+                on_acts = stream.run(i, on_acts, tag="on-")
+            acts = stream.run(i, acts)
+            if not diverged:
+                on_acts = acts
+            for k in chain:
+                chain[k] = _chain(chain[k], i, original)
+            return
+        wd = workdir / f"layer{i:03d}"
+        site = sites.mlp[i]
+        with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture", chain["teacher"],
+                           capture_dtype, i) as (cap, _):
+            next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
+        oncap = None
+        if onpolicy:
+            with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
+                               _chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
+                if needed:
+                    stream.run(i, on_acts, keep=False)
+        one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i))
+        nets, rep = phase1(model, blocks, one, wd, progress=progress, captured=cap, onpolicy_captured=oncap)
+        reports.append(rep)
+        site.replace_subblock(nets[i].to(dtype=stream.dtype))
+        chain["teacher"] = _chain(chain["teacher"], i, original)
+        if onpolicy:  # on through the locked layer
+            on_acts = stream.run(i, on_acts, tag="on-")
+            chain["onpolicy"] = _chain(chain["onpolicy"], i, model_fingerprint(layer))
+        if not onpolicy:
+            chain["onpolicy"] = chain["teacher"]
+        acts = next_acts
+
+    result = {}
+
+    def finish() -> None:
+        result["report"] = report = merge_layers(reports, everything, depth, cfg.rank, budget, params)
+        record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
+               phase1_steps=cfg.phase1_steps, onpolicy_steps=cfg.onpolicy_count, phase2_steps=0, layerwise=True,
+               phase1_relative_error=report.phase1_relative_error,
+               distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds)
+
+    rewrite(stream, out, work, "DLR-Lock (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
+            source_name=source_name, progress=progress, finish=finish)
+    return {"out": str(out), "report": result["report"].as_dict(), "layerwise": True, "seconds": time.perf_counter() - t0,
+            "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk}

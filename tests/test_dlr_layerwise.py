@@ -1,0 +1,215 @@
+"""DLR-Lock layer by layer (methods/dlr_lock/layerwise.py): one decoder layer read from the files at a time, its
+pairs captured from the stream, its DLR-Net distilled as a whole-model run of that layer alone would distil it,
+the on-policy pairs taken from the locked layers before it, every stage resumable."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import file_tensors, saved_checkpoint
+from mlpsurgery.capture import capture_mlp_io, open_capture
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.io import load
+from mlpsurgery.methods.dlr_lock import DLRConfig, phase1
+from mlpsurgery.methods.dlr_lock import layerwise as lw
+from mlpsurgery.models import load_model
+from mlpsurgery.sites import find_sites
+
+BLOCKS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _cfg(**kw):
+    base = dict(rank=4, depth=3, calib_blocks=8, block_len=16, phase1_steps=12, phase1_tokens=32, onpolicy_steps=0,
+                phase2_steps=0, compile=False, start_tokens=64)
+    return DLRConfig(**{**base, **kw})
+
+
+def _lock(src, tmp_path, cfg, name="out", **kw):
+    work = tmp_path / f"{name}.work"
+    return lw.lock_layerwise(lw.open_stream(src, work, **kw), tmp_path / name, cfg, BLOCKS, work, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_each_layer_is_the_net_a_whole_model_run_of_that_layer_trains(tmp_path, arch):
+    src = saved_checkpoint(tmp_path, arch, num_hidden_layers=3)
+    cfg = _cfg()
+    res = _lock(src, tmp_path, cfg)
+    locked = load(tmp_path / "out")
+    model = load_model(src).model
+    for i in range(3):
+        nets, rep = phase1(model, BLOCKS, replace(cfg, layers=str(i), seed=lw.layer_seed(cfg, i)), tmp_path / f"w{i}",
+                           progress=False)
+        got = find_sites(locked).mlp[i].module.state_dict()
+        ref = nets[i].state_dict()
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), (arch, i)
+        assert res["report"]["phase1_relative_error"][i] == rep.phase1_relative_error[i]
+    # the captured pairs are the whole model's, bit for bit
+    whole = capture_mlp_io(model, BLOCKS, layers=[2], batch_size=4, dtype=torch.bfloat16, progress=False)
+    streamed = open_capture(tmp_path / "out.work" / "layer002" / "capture")
+    assert streamed.n_chunks == whole.n_chunks == 2
+    for k in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(whole.chunk(k)[2], streamed.chunk(k)[2]))
+    history = json.loads((tmp_path / "out" / "surgery.json").read_text())["history"]
+    assert history[-1]["method"] == "dlr_lock" and history[-1]["provenance"]["layerwise"]
+    with torch.no_grad():
+        locked(input_ids=BLOCKS[:2])  # loads and runs as any locked folder
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "bert"])
+def test_onpolicy_pairs_are_what_the_locked_layers_before_produce(tmp_path, arch):
+    src = saved_checkpoint(tmp_path, arch, num_hidden_layers=3)
+    res = _lock(src, tmp_path, _cfg(layers="0,2", onpolicy_steps=6))
+    locked = load(tmp_path / "out")
+    model = load_model(src).model
+    # layer 2's on-policy inputs: layer 0 with its final net, layer 1 original
+    find_sites(model).mlp[0].replace_subblock(find_sites(locked).mlp[0].module)
+    ref = capture_mlp_io(model, BLOCKS, layers=[2], batch_size=4, dtype=torch.bfloat16, progress=False)
+    got = open_capture(tmp_path / "out.work" / "layer002" / "capture_onpolicy")
+    teacher = open_capture(tmp_path / "out.work" / "layer002" / "capture")
+    for k in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ref.chunk(k)[2], got.chunk(k)[2]))
+        assert not torch.equal(got.chunk(k)[2][0], teacher.chunk(k)[2][0])  # not the teacher's inputs
+    rep = res["report"]
+    assert rep["layers"] == [0, 2] and set(rep["onpolicy_relative_error"]) == {0, 2}
+    assert rep["onpolicy_relative_error"][2] < rep["onpolicy_start_error"][2]  # the steps fit the new inputs
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    cfg = _cfg(onpolicy_steps=6)
+    _lock(src, tmp_path, cfg, "ref")
+    real = lw.phase1
+    calls = []
+
+    def stop_at_layer_2(model, blocks, one, wd, **kw):
+        calls.append(one.layers)
+        if one.layers == "2":
+            raise KeyboardInterrupt
+        return real(model, blocks, one, wd, **kw)
+
+    monkeypatch.setattr(lw, "phase1", stop_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        _lock(src, tmp_path, cfg)
+    assert not (tmp_path / "out").exists() and calls == ["0", "1", "2"]
+    chunk = tmp_path / "out.work" / "layer000" / "capture" / "chunk_00000.safetensors"
+    stamp = chunk.stat().st_mtime_ns
+    monkeypatch.setattr(lw, "phase1", real)
+    _lock(src, tmp_path, cfg)
+    assert chunk.stat().st_mtime_ns == stamp  # a finished capture is not rewritten
+    a, b = file_tensors(tmp_path / "ref"), file_tensors(tmp_path / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_work_folder_of_another_model_or_other_settings_is_refused(tmp_path):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    cfg = _cfg()
+    _lock(src, tmp_path, cfg)
+    (tmp_path / "out").rename(tmp_path / "first")
+    with pytest.raises(MLPSurgeryError, match="other settings"):
+        _lock(src, tmp_path, replace(cfg, phase1_steps=13))
+    # layer 1 changed: layer 2's inputs are not those of its capture
+    weights = load_file(str(src / "model.safetensors"))
+    name = next(k for k in weights if ".1." in k and "mlp" in k)
+    weights[name] = weights[name] * 1.01
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MLPSurgeryError, match="another model"):
+        _lock(src, tmp_path, cfg)
+
+
+def test_activations_on_disk_give_the_same_lock(tmp_path, monkeypatch):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    cfg = _cfg(layers="0,2", onpolicy_steps=4)
+    ram = _lock(src, tmp_path, cfg, "ram")
+    monkeypatch.setattr(lw.LayerStream, "check_memory", lambda self, act_bytes, extra=0: True)  # as past --max-memory
+    disk = _lock(src, tmp_path, cfg, "disk")
+    assert not ram["activations_on_disk"] and disk["activations_on_disk"]
+    a, b = file_tensors(tmp_path / "ram"), file_tensors(tmp_path / "disk")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_lock_dlr_layerwise_and_its_refusals(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+    common = [str(src), "--rank", "4", "--depth", "3", "--calib-blocks", "8", "--block-len", "16", "--phase1-steps",
+              "6", "--phase1-tokens", "32", "--onpolicy-steps", "2", "--start-tokens", "64", "--no-compile", "--quiet"]
+    assert main(["lock", "dlr", *common, "--layerwise", "--phase2-steps", "0", "--json",
+                 "--out", str(tmp_path / "out")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["layerwise"] and res["report"]["layers"] == [0, 1, 2] and res["workdir"] is None
+    assert not (tmp_path / "out.work").exists()  # ours, removed on success
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    # refused, exit 2, nothing written: phase 2, --max-memory without --layerwise, a model without files
+    assert main(["lock", "dlr", *common, "--layerwise", "--out", str(tmp_path / "x1")]) == 2
+    assert main(["lock", "dlr", *common, "--phase2-steps", "0", "--max-memory", "1", "--out", str(tmp_path / "x2")]) == 2
+    assert main(["lock", "dlr", "tiny:llama", "--layerwise", "--phase2-steps", "0", "--out", str(tmp_path / "x3")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x1.work", "x2.work", "x3.work"))
+    err = capsys.readouterr().err
+    assert "--phase2-steps 0" in err and "add --layerwise" in err
+
+
+# ---- phase 2 alone on a locked folder (lock.continue_phase2, `lock dlr --phase2-only`) ----------------------
+
+def test_phase2_alone_on_a_saved_phase1_lock_equals_the_lock_in_one_run(tmp_path):
+    from mlpsurgery.io import save
+    from mlpsurgery.methods.dlr_lock import continue_phase2, dlr_lock
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    p2 = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(1))
+    cfg = _cfg(phase2_steps=5, phase2_batch=2, top_k=8)
+    one = load_model(src).model
+    dlr_lock(one, BLOCKS, p2, cfg, tmp_path / "one.work", progress=False)
+    first = load_model(src).model
+    dlr_lock(first, BLOCKS, p2, replace(cfg, phase2_steps=0), tmp_path / "p1.work", progress=False)
+    save(first, tmp_path / "p1")
+    locked = load(tmp_path / "p1")
+    report = continue_phase2(locked, load_model(src).model, p2, cfg, tmp_path / "p2.work", progress=False,
+                             on_teacher=lambda m: m.to("meta"))
+    a, b = one.state_dict(), locked.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert report.layers == [0, 1] and len(report.phase2_history) > 0
+    steps = [h["method"] for h in locked._mlpsurgery_history]
+    assert steps[-2:] == ["dlr_lock", "dlr_lock"] and locked._mlpsurgery_history[-1]["provenance"]["phase2_only"]
+    with pytest.raises(MLPSurgeryError, match="no DLR-Nets"):
+        continue_phase2(load_model(src).model, load_model(src).model, p2, cfg, tmp_path / "x.work", progress=False)
+
+
+def test_cli_phase2_only_continues_a_layerwise_lock_and_its_refusals(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    byte_tokenizer().save_pretrained(src)
+    small = ["--calib-blocks", "8", "--block-len", "16", "--phase1-steps", "4", "--phase1-tokens", "32",
+             "--onpolicy-steps", "2", "--start-tokens", "64", "--no-compile", "--quiet", "--rank", "4", "--depth", "3"]
+    assert main(["lock", "dlr", str(src), *small, "--layerwise", "--phase2-steps", "0", "--dtype", "bfloat16",
+                 "--out", str(tmp_path / "p1")]) == 0
+    capsys.readouterr()
+    # locked in bfloat16, continued in float32: the original is checked in the dtype it was locked in
+    p2 = ["--phase2-steps", "4", "--phase2-blocks", "6", "--phase2-batch", "2", "--top-k", "8", "--block-len", "16",
+          "--eval-tokens", "256", "--second-corpus", "", "--quiet", "--json"]
+    assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--original", str(src), *p2,
+                 "--dtype", "float32", "--out", str(tmp_path / "p2")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["phase2_only"] and res["report"]["layers"] == [0, 1] and res["report"]["phase2_history"]
+    assert json.loads((tmp_path / "p2" / "surgery.json").read_text())["dtype"] == "float32"
+    assert set(res["perplexity"]) == {"original", "phase1", "phase2"}
+    history = json.loads((tmp_path / "p2" / "surgery.json").read_text())["history"]
+    assert [h["method"] for h in history][-2:] == ["dlr_lock", "dlr_lock"]
+    # refused, exit 2, nothing written: an unlocked model, --original alone, with --layerwise, another original
+    assert main(["lock", "dlr", str(src), "--phase2-only", *p2, "--out", str(tmp_path / "x1")]) == 2
+    assert main(["lock", "dlr", str(src), "--original", str(src), *p2, "--out", str(tmp_path / "x2")]) == 2
+    assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--layerwise", *p2,
+                 "--out", str(tmp_path / "x3")]) == 2
+    other = saved_checkpoint(tmp_path / "o", "llama", num_hidden_layers=2, seed=1)
+    byte_tokenizer().save_pretrained(other)
+    assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--original", str(other), *p2,
+                 "--out", str(tmp_path / "x4")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work", "x4.work"))
