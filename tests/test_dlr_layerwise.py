@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import file_tensors, saved_checkpoint
-from mlpsurgery.capture import capture_mlp_io, open_capture
+from mlpsurgery.capture import capture_mlp_io
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load
 from mlpsurgery.methods.dlr_lock import DLRConfig, phase1
@@ -34,10 +34,27 @@ def _lock(src, tmp_path, cfg, name="out", **kw):
     return lw.lock_layerwise(lw.open_stream(src, work, **kw), tmp_path / name, cfg, BLOCKS, work, progress=False)
 
 
+def _spy(monkeypatch, layer: int) -> dict:
+    """Keep the pairs layer `layer` is distilled on (a finished layer's captures are removed from the work folder)."""
+    seen, real = {}, lw.phase1
+
+    def spy(model, blocks, one, wd, **kw):
+        if one.layers == str(layer):
+            for name in ("captured", "onpolicy_captured"):
+                cap = kw.get(name)
+                if cap is not None:
+                    seen[name] = [cap.chunk(k)[layer] for k in range(cap.n_chunks)]
+        return real(model, blocks, one, wd, **kw)
+
+    monkeypatch.setattr(lw, "phase1", spy)
+    return seen
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_each_layer_is_the_net_a_whole_model_run_of_that_layer_trains(tmp_path, arch):
+def test_each_layer_is_the_net_a_whole_model_run_of_that_layer_trains(tmp_path, arch, monkeypatch):
     src = saved_checkpoint(tmp_path, arch, num_hidden_layers=3)
     cfg = _cfg()
+    seen = _spy(monkeypatch, 2)
     res = _lock(src, tmp_path, cfg)
     locked = load(tmp_path / "out")
     model = load_model(src).model
@@ -50,10 +67,12 @@ def test_each_layer_is_the_net_a_whole_model_run_of_that_layer_trains(tmp_path, 
         assert res["report"]["phase1_relative_error"][i] == rep.phase1_relative_error[i]
     # the captured pairs are the whole model's, bit for bit
     whole = capture_mlp_io(model, BLOCKS, layers=[2], batch_size=4, dtype=torch.bfloat16, progress=False)
-    streamed = open_capture(tmp_path / "out.work" / "layer002" / "capture")
-    assert streamed.n_chunks == whole.n_chunks == 2
+    streamed = seen["captured"]
+    assert len(streamed) == whole.n_chunks == 2
     for k in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(whole.chunk(k)[2], streamed.chunk(k)[2]))
+        assert all(torch.equal(a, b) for a, b in zip(whole.chunk(k)[2], streamed[k]))
+    # what stays of a finished layer: its net and report
+    assert sorted(p.name for p in (tmp_path / "out.work" / "layer002").iterdir()) == ["layer.json", "net.safetensors"]
     history = json.loads((tmp_path / "out" / "surgery.json").read_text())["history"]
     assert history[-1]["method"] == "dlr_lock" and history[-1]["provenance"]["layerwise"]
     with torch.no_grad():
@@ -61,19 +80,19 @@ def test_each_layer_is_the_net_a_whole_model_run_of_that_layer_trains(tmp_path, 
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "bert"])
-def test_onpolicy_pairs_are_what_the_locked_layers_before_produce(tmp_path, arch):
+def test_onpolicy_pairs_are_what_the_locked_layers_before_produce(tmp_path, arch, monkeypatch):
     src = saved_checkpoint(tmp_path, arch, num_hidden_layers=3)
+    seen = _spy(monkeypatch, 2)
     res = _lock(src, tmp_path, _cfg(layers="0,2", onpolicy_steps=6))
     locked = load(tmp_path / "out")
     model = load_model(src).model
     # layer 2's on-policy inputs: layer 0 with its final net, layer 1 original
     find_sites(model).mlp[0].replace_subblock(find_sites(locked).mlp[0].module)
     ref = capture_mlp_io(model, BLOCKS, layers=[2], batch_size=4, dtype=torch.bfloat16, progress=False)
-    got = open_capture(tmp_path / "out.work" / "layer002" / "capture_onpolicy")
-    teacher = open_capture(tmp_path / "out.work" / "layer002" / "capture")
+    got, teacher = seen["onpolicy_captured"], seen["captured"]
     for k in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(ref.chunk(k)[2], got.chunk(k)[2]))
-        assert not torch.equal(got.chunk(k)[2][0], teacher.chunk(k)[2][0])  # not the teacher's inputs
+        assert all(torch.equal(a, b) for a, b in zip(ref.chunk(k)[2], got[k]))
+        assert not torch.equal(got[k][0], teacher[k][0])  # not the teacher's inputs
     rep = res["report"]
     assert rep["layers"] == [0, 2] and set(rep["onpolicy_relative_error"]) == {0, 2}
     assert rep["onpolicy_relative_error"][2] < rep["onpolicy_start_error"][2]  # the steps fit the new inputs
@@ -96,11 +115,16 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         _lock(src, tmp_path, cfg)
     assert not (tmp_path / "out").exists() and calls == ["0", "1", "2"]
-    chunk = tmp_path / "out.work" / "layer000" / "capture" / "chunk_00000.safetensors"
-    stamp = chunk.stat().st_mtime_ns
-    monkeypatch.setattr(lw, "phase1", real)
+    assert (tmp_path / "out.work" / "layer002" / "capture" / "capture.json").is_file()  # the stopped layer's pairs
+    calls.clear()
+
+    def resumed(model, blocks, one, wd, **kw):
+        calls.append(one.layers)
+        return real(model, blocks, one, wd, **kw)
+
+    monkeypatch.setattr(lw, "phase1", resumed)
     _lock(src, tmp_path, cfg)
-    assert chunk.stat().st_mtime_ns == stamp  # a finished capture is not rewritten
+    assert calls == ["2"]  # the finished layers are read back, not distilled again
     a, b = file_tensors(tmp_path / "ref"), file_tensors(tmp_path / "out")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -112,12 +136,38 @@ def test_a_work_folder_of_another_model_or_other_settings_is_refused(tmp_path):
     (tmp_path / "out").rename(tmp_path / "first")
     with pytest.raises(MLPSurgeryError, match="other settings"):
         _lock(src, tmp_path, replace(cfg, phase1_steps=13))
-    # layer 1 changed: layer 2's inputs are not those of its capture
+    _lock(src, tmp_path, replace(cfg, compile=True, memory_limit_gb=1.0))  # how it runs, not what: resumed
+    assert all(torch.equal(a, b) for a, b in zip(file_tensors(tmp_path / "first").values(),
+                                                 file_tensors(tmp_path / "out").values()))
+    (tmp_path / "out").rename(tmp_path / "second")
+    _change(src, 1)  # layer 1's net would be another model's
+    with pytest.raises(MLPSurgeryError, match="layer 1 locked from another model"):
+        _lock(src, tmp_path, cfg)
+
+
+def _change(src, layer: int) -> None:
     weights = load_file(str(src / "model.safetensors"))
-    name = next(k for k in weights if ".1." in k and "mlp" in k)
+    name = next(k for k in weights if f".{layer}." in k and "mlp" in k)
     weights[name] = weights[name] * 1.01
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(MLPSurgeryError, match="another model"):
+
+
+def test_a_stopped_layers_capture_is_refused_when_what_reaches_it_changed(tmp_path, monkeypatch):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    cfg = _cfg(layers="0,2")
+    real = lw.phase1
+
+    def stop_at_layer_2(model, blocks, one, wd, **kw):
+        if one.layers == "2":
+            raise KeyboardInterrupt
+        return real(model, blocks, one, wd, **kw)
+
+    monkeypatch.setattr(lw, "phase1", stop_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        _lock(src, tmp_path, cfg)
+    monkeypatch.setattr(lw, "phase1", real)
+    _change(src, 1)  # not locked, so only layer 2's capture knows what it was made from
+    with pytest.raises(MLPSurgeryError, match="capture of another model"):
         _lock(src, tmp_path, cfg)
 
 

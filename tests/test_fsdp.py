@@ -417,6 +417,36 @@ def test_lock_dlr_over_two_ranks_equals_one_process(tmp_path):
     assert abs(two["heldout_ratio"] - one["heldout_ratio"]) < 1e-3
 
 
+def test_phase2_only_over_two_ranks_equals_one_process(tmp_path):
+    """`lock dlr LOCKED --phase2-only` (phase 2 alone on a folder locked before, e.g. layer by layer) shards phase 2
+    over the ranks as the whole lock does, each rank's teacher targets in a folder of its own."""
+    import contextlib
+    import io
+
+    from mlpsurgery.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(lock_args(tmp_path, str(tmp_path / "p1"), "--phase2-steps", "0")) == 0
+    p2 = ["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--phase2-steps", "4", "--phase2-blocks", "8",
+          "--phase2-batch", "2", "--top-k", "4", "--block-len", "32", "--eval-tokens", "256",
+          "--data", str(tmp_path / "t.txt"), "--json", "--quiet"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*p2, "--out", str(tmp_path / "one")]) == 0
+    one = json.loads(buf.getvalue())
+    work = tmp_path / "work"
+    (c0, log0), (c1, log1) = ranks(tmp_path, [*p2, "--out", str(tmp_path / "two"), "--workdir", str(work)])
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    two = _json(log0)
+    assert two["world_size"] == 2 and two["phase2_only"] and (work / "rank1-of-2" / "teacher.stage.json").is_file()
+    a, b = load(str(tmp_path / "one")), load(str(tmp_path / "two"))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=name)
+    assert abs(two["heldout_ratio"] - one["heldout_ratio"]) < 1e-3
+    assert [h["loss"] for h in two["report"]["phase2_history"]] == pytest.approx(
+        [h["loss"] for h in one["report"]["phase2_history"]], rel=1e-4)
+
+
 def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
     out = str(tmp_path / "two")
     for code, log in ranks(tmp_path, lock_args(tmp_path, out, "--layers", "0")):

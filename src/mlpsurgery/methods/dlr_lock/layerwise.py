@@ -18,32 +18,42 @@ on-policy pairs are fully on-policy: every earlier layer is locked with its *fin
 on-policy capture runs the phase-1 nets before their own on-policy steps). Not here: phase 2 (end-to-end logit
 distillation), which trains every layer at once -- it needs the whole model, or FSDP under torchrun.
 
-Everything is resumable from the work folder (`layerNNN/` per locked layer, each with phase 1's own stages): a
-restarted run recomputes the streams through the finished layers (their nets read back) and goes on where it
-stopped. The captures record a digest of everything that reaches their layer (the data, the parts outside the
-layers, every earlier layer as read and, for the on-policy stream, as locked), so a work folder made from another
-model, other data or other earlier settings is refused, not mixed in.
+Everything is resumable from the work folder (`layerNNN/` per locked layer, with phase 1's own stages while the
+layer is worked on): a restarted run recomputes the streams through the finished layers and goes on where it
+stopped. A finished layer keeps only its net as installed and its report (`net.safetensors`, `layer.json`); its
+captures, start and training checkpoints are removed, so the work folder holds about one layer's working files
+plus the nets, not a multiple of the model. Captures and finished layers record a digest of everything that
+reaches them (the data, the parts outside the layers, every earlier layer as read and, for the on-policy stream,
+as locked; the layer itself and the settings), so a work folder made from another model, other data or other
+settings is refused, not mixed in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from ...capture import layer_capture
-from ...errors import MLPSurgeryError
+from ...errors import IntegrityError, MLPSurgeryError
 from ...files import Fingerprint, model_fingerprint
-from ...io import record
+from ...io import atomic_write_text, record
 from ...layerwise import LayerStream, rewrite
+from ...modules.dlr import DLRNet
 from ...sites import find_sites
 from .captured import capture_batch
 from .config import DLRConfig, DLRReport, plan
 from .modulewise import phase1
+from .workdir import _save_stage_file
+
+LAYER_NET, LAYER_REPORT = "net.safetensors", "layer.json"  # what stays of a finished layer in the work folder
 
 
 def check_layerwise(cfg: DLRConfig) -> None:
@@ -66,6 +76,48 @@ def resident_digest(stream: LayerStream) -> str:
 
 def _chain(h: str, *parts) -> str:
     return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
+
+
+# settings that change how phase 1 runs, not what it computes: a stopped run may resume with others
+_RUNTIME = ("compile", "memory_limit_gb")
+
+
+def _settings(cfg: DLRConfig) -> str:
+    return json.dumps({k: v for k, v in asdict(cfg).items() if k not in _RUNTIME}, sort_keys=True)
+
+
+def _finished(wd: Path, key: str, i: int) -> tuple[dict[str, Tensor], DLRReport] | None:
+    """A layer finished before (its net as installed and its report), or None; a layer finished from other inputs
+    or settings is refused (its net would silently stand in for another)."""
+    meta, weights = wd / LAYER_REPORT, wd / LAYER_NET
+    if not (meta.exists() and weights.exists()):
+        return None
+    try:
+        record = json.loads(meta.read_text())
+        report = record["report"]
+        state = load_file(str(weights))
+    except Exception:  # noqa: BLE001 - a damaged JSON or safetensors file (each library raises its own types)
+        raise IntegrityError(f"the record of layer {i} in {wd} is damaged; delete that folder to lock the layer "
+                             "again") from None
+    if record.get("key") != key:
+        raise MLPSurgeryError(f"work folder {wd.parent} holds layer {i} locked from another model, other data or "
+                              "other settings; resume with the same ones, or use (or empty) another folder")
+    for name, v in report.items():  # JSON made the layer keys strings
+        if isinstance(v, dict):
+            report[name] = {int(k): x for k, x in v.items()}
+    return state, DLRReport(**report)
+
+
+def _keep(wd: Path, key: str, net: DLRNet, report: DLRReport) -> None:
+    """A finished layer's record: its net as installed and its report, written whole or not at all; then its
+    captures, start and training checkpoints are removed (they would grow the work folder by a multiple of the
+    model: on a 2 B model 2.3 GB per layer)."""
+    _save_stage_file(wd / LAYER_NET, net.state_dict())
+    atomic_write_text(wd / LAYER_REPORT, json.dumps({"key": key, "report": report.as_dict()}))
+    for p in wd.iterdir():
+        if p.name in (LAYER_NET, LAYER_REPORT):
+            continue
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def layer_seed(cfg: DLRConfig, i: int) -> int:
@@ -148,6 +200,8 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
 
     def work(i: int) -> None:
         nonlocal acts, on_acts
+        if i > everything[-1]:  # past the last locked layer nothing more is captured: the layer is only copied
+            return
         layer = stream.layers[i]
         original = model_fingerprint(layer)
         if i not in everything:
@@ -162,26 +216,38 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             return
         wd = workdir / f"layer{i:03d}"
         site = sites.mlp[i]
-        with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture", chain["teacher"],
-                           capture_dtype, i) as (cap, _):
-            next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
-        oncap = None
-        if onpolicy:
-            with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
-                               _chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
-                if needed:
-                    stream.run(i, on_acts, keep=False)
-        one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i))
-        nets, rep = phase1(model, blocks, one, wd, progress=progress, captured=cap, onpolicy_captured=oncap)
-        reports.append(rep)
-        site.replace_subblock(nets[i].to(dtype=stream.dtype))
+        key = _chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))  # what the layer's net is made of
+        done = _finished(wd, key, i)
+        if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
+            net = DLRNet(d, cfg.rank, depth, cfg.eps).to(stream.dtype)
+            net.load_state_dict(done[0])
+            reports.append(done[1])
+            next_acts = stream.run(i, acts)
+        else:
+            with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture", chain["teacher"],
+                               capture_dtype, i) as (cap, _):
+                next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
+            oncap = None
+            if onpolicy:
+                with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
+                                   _chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
+                    if needed:
+                        stream.run(i, on_acts, keep=False)
+            one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i))
+            nets, rep = phase1(model, blocks, one, wd, progress=progress, captured=cap, onpolicy_captured=oncap)
+            reports.append(rep)
+            net = nets[i].to(dtype=stream.dtype)
+            _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
+        site.replace_subblock(net)
         chain["teacher"] = _chain(chain["teacher"], i, original)
-        if onpolicy:  # on through the locked layer
+        if onpolicy and i < everything[-1]:  # on through the locked layer
             on_acts = stream.run(i, on_acts, tag="on-")
             chain["onpolicy"] = _chain(chain["onpolicy"], i, model_fingerprint(layer))
         if not onpolicy:
             chain["onpolicy"] = chain["teacher"]
         acts = next_acts
+        if i == everything[-1]:  # the streams are not needed past the last locked layer
+            acts = on_acts = None
 
     result = {}
 

@@ -119,7 +119,8 @@ def phase1(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, prog
         floor = train.median_update_energy().to(device) if cfg.phase1_loss == "token" else None
         res = train_batched(net, forward, lambda n, g: train.sample(n, g, cfg.phase1_hard_fraction), floor,
                             cfg.phase1_steps, cfg.phase1_lr, cfg.phase1_weight_decay, cfg.seed, cfg.phase1_tokens,
-                            workdir / "phase1_ckpt", "DLR phase 1 (all layers)", progress)
+                            workdir / "phase1_ckpt", "DLR phase 1 (all layers)" if len(layers) > 1 else
+                            f"DLR phase 1 (layer {layers[0]})", progress)
         report.phase1_history = history(res)
         report.phase1_seconds = res.seconds
         _save_stage_file(done, net.state_dict())
