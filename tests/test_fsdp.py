@@ -444,7 +444,7 @@ def test_phase2_only_over_two_ranks_equals_one_process(tmp_path):
         torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=name)
     assert abs(two["heldout_ratio"] - one["heldout_ratio"]) < 1e-3
     assert [h["loss"] for h in two["report"]["phase2_history"]] == pytest.approx(
-        [h["loss"] for h in one["report"]["phase2_history"]], rel=1e-4)
+        [h["loss"] for h in one["report"]["phase2_history"]], rel=1e-3, abs=1e-5)
 
 
 def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
