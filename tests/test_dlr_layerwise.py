@@ -98,22 +98,29 @@ def test_onpolicy_pairs_are_what_the_locked_layers_before_produce(tmp_path, arch
     assert rep["onpolicy_relative_error"][2] < rep["onpolicy_start_error"][2]  # the steps fit the new inputs
 
 
-def test_a_stopped_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
-    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
-    cfg = _cfg(onpolicy_steps=6)
-    _lock(src, tmp_path, cfg, "ref")
+def _stopped_at_layer_2(src, tmp_path, cfg, monkeypatch, calls=None) -> None:
+    """A lock stopped (Ctrl-C) when layer 2's distillation starts, its pairs captured; phase1 restored after."""
     real = lw.phase1
-    calls = []
 
-    def stop_at_layer_2(model, blocks, one, wd, **kw):
-        calls.append(one.layers)
+    def stop(model, blocks, one, wd, **kw):
+        if calls is not None:
+            calls.append(one.layers)
         if one.layers == "2":
             raise KeyboardInterrupt
         return real(model, blocks, one, wd, **kw)
 
-    monkeypatch.setattr(lw, "phase1", stop_at_layer_2)
+    monkeypatch.setattr(lw, "phase1", stop)
     with pytest.raises(KeyboardInterrupt):
         _lock(src, tmp_path, cfg)
+    monkeypatch.setattr(lw, "phase1", real)
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    cfg = _cfg(onpolicy_steps=6)
+    _lock(src, tmp_path, cfg, "ref")
+    real, calls = lw.phase1, []
+    _stopped_at_layer_2(src, tmp_path, cfg, monkeypatch, calls)
     assert not (tmp_path / "out").exists() and calls == ["0", "1", "2"]
     assert (tmp_path / "out.work" / "layer002" / "capture" / "capture.json").is_file()  # the stopped layer's pairs
     calls.clear()
@@ -155,17 +162,7 @@ def _change(src, layer: int) -> None:
 def test_a_stopped_layers_capture_is_refused_when_what_reaches_it_changed(tmp_path, monkeypatch):
     src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     cfg = _cfg(layers="0,2")
-    real = lw.phase1
-
-    def stop_at_layer_2(model, blocks, one, wd, **kw):
-        if one.layers == "2":
-            raise KeyboardInterrupt
-        return real(model, blocks, one, wd, **kw)
-
-    monkeypatch.setattr(lw, "phase1", stop_at_layer_2)
-    with pytest.raises(KeyboardInterrupt):
-        _lock(src, tmp_path, cfg)
-    monkeypatch.setattr(lw, "phase1", real)
+    _stopped_at_layer_2(src, tmp_path, cfg, monkeypatch)
     _change(src, 1)  # not locked, so only layer 2's capture knows what it was made from
     with pytest.raises(MLPSurgeryError, match="capture of another model"):
         _lock(src, tmp_path, cfg)

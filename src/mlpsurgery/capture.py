@@ -134,6 +134,24 @@ def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
     return h.hexdigest()
 
 
+def _index(root: Path, fp: str, layers: list[int], n_chunks: int, batch_size: int, dtype: torch.dtype) -> bool:
+    """A capture folder's index (capture.json): True when `root` already holds a capture made from `fp` (its chunks
+    are kept), False when the index was just written; one made from anything else is refused."""
+    meta_path = root / "capture.json"
+    if not meta_path.exists():
+        meta_path.write_text(json.dumps({"fingerprint": fp, "layers": layers, "n_chunks": n_chunks,
+                                         "batch_size": batch_size, "dtype": str(dtype)}))
+        return False
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        raise IntegrityError(f"{meta_path} is corrupted; delete the folder {root} to capture afresh") from None
+    if meta.get("fingerprint") != fp:
+        raise MLPSurgeryError(f"{root} holds a capture of another model, data or layer set; "
+                              "choose an empty folder or delete it")
+    return True
+
+
 def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = None, batch_size: int = 8,
                    out_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
                    progress: bool = True, device: torch.device | str | None = None,
@@ -162,19 +180,8 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         root.mkdir(parents=True, exist_ok=True)
         cap.root = root
         fp = fingerprint(model, blocks, layers=layers, dtype=dtype, **({"students": tag} if replace else {}))
-        meta_path = root / "capture.json"
-        if meta_path.exists():
-            try:
-                meta = json.loads(meta_path.read_text())
-            except json.JSONDecodeError:
-                raise IntegrityError(f"{meta_path} is corrupted; delete the folder {root} to capture afresh") from None
-            if meta.get("fingerprint") != fp:
-                raise MLPSurgeryError(f"{root} holds a capture of another model, data or layer set; "
-                                      "choose an empty folder or delete it")
+        if _index(root, fp, layers, n_chunks, batch_size, dtype):
             done = {k for k in range(n_chunks) if (root / f"chunk_{k:05d}.safetensors").exists()}
-        else:
-            meta_path.write_text(json.dumps({"fingerprint": fp, "layers": layers, "n_chunks": n_chunks,
-                                             "batch_size": batch_size, "dtype": str(dtype)}))
     cap.tokens_per_chunk = [min(batch_size, len(blocks) - k * batch_size) * blocks.shape[1] for k in range(n_chunks)]
 
     last = layers[-1]
@@ -243,18 +250,7 @@ def layer_capture(site, n_blocks: int, block_len: int, batch_size: int, out_dir:
     d = site.config.hidden_size
     cap = Capture(layers=[layer], d=d, root=root, n_chunks=n_chunks,
                   tokens_per_chunk=[min(batch_size, n_blocks - k * batch_size) * block_len for k in range(n_chunks)])
-    meta_path = root / "capture.json"
-    if meta_path.exists():
-        try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError:
-            raise IntegrityError(f"{meta_path} is corrupted; delete the folder {root} to capture afresh") from None
-        if meta.get("fingerprint") != fp:
-            raise MLPSurgeryError(f"{root} holds a capture of another model, data or layer set; "
-                                  "choose an empty folder or delete it")
-    else:
-        meta_path.write_text(json.dumps({"fingerprint": fp, "layers": [layer], "n_chunks": n_chunks,
-                                         "batch_size": batch_size, "dtype": str(dtype)}))
+    _index(root, fp, [layer], n_chunks, batch_size, dtype)
     paths = [root / f"chunk_{k:05d}.safetensors" for k in range(n_chunks)]
     if all(p.exists() for p in paths):
         yield cap, False
