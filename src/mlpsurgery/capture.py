@@ -55,7 +55,7 @@ class Capture:
         if self.root is None:
             data = self.memory[k]
             return {i: (data[f"x.{i}"], data[f"y.{i}"]) for i in layers}
-        with safe_open(self.root / f"chunk_{k:05d}.safetensors", framework="pt") as f:
+        with safe_open(chunk_path(self.root, k), framework="pt") as f:
             return {i: (f.get_tensor(f"x.{i}"), f.get_tensor(f"y.{i}")) for i in layers}
 
     def keep(self, layers: list[int]) -> None:
@@ -106,14 +106,14 @@ def open_capture(root: str | Path) -> Capture:
         raise MLPSurgeryError(f"{root} holds no capture (no capture.json)")
     meta = json.loads(meta_path.read_text())
     layers, n = meta["layers"], meta["n_chunks"]
-    missing = [k for k in range(n) if not (root / f"chunk_{k:05d}.safetensors").exists()]
+    missing = [k for k in range(n) if not chunk_path(root, k).exists()]
     if missing:
         raise MLPSurgeryError(f"{root} is an unfinished capture ({len(missing)} of {n} chunks missing); "
                               "rerun the command that made it to finish it")
     sizes = []
     d = 0
     for k in range(n):
-        with safe_open(root / f"chunk_{k:05d}.safetensors", framework="pt") as f:
+        with safe_open(chunk_path(root, k), framework="pt") as f:
             shape = f.get_slice(f"x.{layers[0]}").get_shape()
         sizes.append(shape[0])
         d = shape[1]
@@ -132,6 +132,23 @@ def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
         h.update(p.detach().float().flatten()[:64].cpu().numpy().tobytes())
         h.update(str(float(p.detach().float().sum())).encode())
     return h.hexdigest()
+
+
+def chunk_path(root: Path, k: int) -> Path:
+    """Where chunk k of a capture on disk lives."""
+    return root / f"chunk_{k:05d}.safetensors"
+
+
+def _write_chunk(path: Path, chunk: dict[str, Tensor]) -> None:
+    """One chunk, whole or not at all (a stop mid-write leaves no chunk for a resumed capture to trust)."""
+    tmp = path.with_suffix(".tmp")
+    save_file(chunk, str(tmp))
+    os.replace(tmp, path)
+
+
+def _chunk_tokens(n_blocks: int, block_len: int, batch_size: int) -> list[int]:
+    """Tokens in each chunk of a capture of n_blocks blocks, batch_size blocks per chunk (the last one shorter)."""
+    return [min(batch_size, n_blocks - s) * block_len for s in range(0, n_blocks, batch_size)]
 
 
 def _index(root: Path, fp: str, layers: list[int], n_chunks: int, batch_size: int, dtype: torch.dtype) -> bool:
@@ -181,8 +198,8 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         cap.root = root
         fp = fingerprint(model, blocks, layers=layers, dtype=dtype, **({"students": tag} if replace else {}))
         if _index(root, fp, layers, n_chunks, batch_size, dtype):
-            done = {k for k in range(n_chunks) if (root / f"chunk_{k:05d}.safetensors").exists()}
-    cap.tokens_per_chunk = [min(batch_size, len(blocks) - k * batch_size) * blocks.shape[1] for k in range(n_chunks)]
+            done = {k for k in range(n_chunks) if chunk_path(root, k).exists()}
+    cap.tokens_per_chunk = _chunk_tokens(len(blocks), blocks.shape[1], batch_size)
 
     last = layers[-1]
     store: dict[str, Tensor] = {}
@@ -226,10 +243,7 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
                 if cap.root is None:
                     cap.memory.append(chunk)
                 else:
-                    path = cap.root / f"chunk_{k:05d}.safetensors"
-                    tmp = path.with_suffix(".tmp")
-                    save_file(chunk, str(tmp))
-                    os.replace(tmp, path)
+                    _write_chunk(chunk_path(cap.root, k), chunk)
     finally:
         for hnd in handles:
             hnd.remove()
@@ -249,9 +263,9 @@ def layer_capture(site, n_blocks: int, block_len: int, batch_size: int, out_dir:
     n_chunks = (n_blocks + batch_size - 1) // batch_size
     d = site.config.hidden_size
     cap = Capture(layers=[layer], d=d, root=root, n_chunks=n_chunks,
-                  tokens_per_chunk=[min(batch_size, n_blocks - k * batch_size) * block_len for k in range(n_chunks)])
+                  tokens_per_chunk=_chunk_tokens(n_blocks, block_len, batch_size))
     _index(root, fp, [layer], n_chunks, batch_size, dtype)
-    paths = [root / f"chunk_{k:05d}.safetensors" for k in range(n_chunks)]
+    paths = [chunk_path(root, k) for k in range(n_chunks)]
     if all(p.exists() for p in paths):
         yield cap, False
         return
@@ -265,11 +279,9 @@ def layer_capture(site, n_blocks: int, block_len: int, batch_size: int, out_dir:
         x, k = state["x"], state["k"]
         state["k"] += 1
         if k < n_chunks and not paths[k].exists():
-            chunk = {f"x.{layer}": x.to(dtype=dtype, device="cpu").contiguous(),
-                     f"y.{layer}": (x + delta.detach().reshape(-1, d)).to(dtype=dtype, device="cpu").contiguous()}
-            tmp = paths[k].with_suffix(".tmp")
-            save_file(chunk, str(tmp))
-            os.replace(tmp, paths[k])
+            _write_chunk(paths[k], {
+                f"x.{layer}": x.to(dtype=dtype, device="cpu").contiguous(),
+                f"y.{layer}": (x + delta.detach().reshape(-1, d)).to(dtype=dtype, device="cpu").contiguous()})
 
     handles = [site.entry.register_forward_pre_hook(pre), site.exit.register_forward_hook(post)]
     try:

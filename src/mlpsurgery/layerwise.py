@@ -367,6 +367,16 @@ class LayerStream:
         inside = tuple(self.prefixes)
         return {n: t for n, t in self.model.state_dict().items() if not n.startswith(inside) and n not in self.tied}
 
+    def resident_fingerprint(self) -> str:
+        """files.model_fingerprint of the parts outside the layers (embeddings, final norm, head), with the model's
+        class and config: what tells two checkpoints' resident parts apart before any layer is read."""
+        from .files import Fingerprint
+
+        fp = Fingerprint(self.model)
+        for name, t in self.resident_state().items():
+            fp.add(name, t)
+        return fp.hexdigest()
+
 
 class SourceRecord:
     """The source a layer-by-layer output records. A stock checkpoint's is its fingerprint, fed with every tensor in

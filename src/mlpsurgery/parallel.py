@@ -255,7 +255,7 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     for n in last:
         record.add(n, state[n])
     record.record()
-    same_on_every_rank("embeddings, norms or head", _fingerprint_outside(model, stream))
+    same_on_every_rank("embeddings, norms or head", stream.resident_fingerprint())
     _shard_root(model, plain, mesh, device)
     return Loaded(model.eval(), _tokenizer(folder), source), stream
 
@@ -327,15 +327,6 @@ def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
 
 def _meta(p: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-
-
-def _fingerprint_outside(model: nn.Module, stream) -> str:
-    from .files import Fingerprint
-
-    fp = Fingerprint(model)
-    for name, t in stream.resident_state().items():
-        fp.add(name, t)
-    return fp.hexdigest()
 
 
 def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:

@@ -175,7 +175,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     from ..io import check_out
     from ..measure.memory import peak_rss
     from ..methods.dlr_lock import DLRConfig, plan, rank_for_depth
-    from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream, resident_digest
+    from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
     from ..sites import find_sites
 
@@ -202,7 +202,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
     calib = _calibration(corpus, cfg)
-    claim(work, "dlr-work-layerwise", {"model": resident_digest(stream)}, inputs=inputs + [out])
+    claim(work, "dlr-work-layerwise", {"model": stream.resident_fingerprint()}, inputs=inputs + [out])
     res = lock_layerwise(stream, out, cfg, calib, work, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work],
                          source_name=name, progress=not args.quiet, data_name=corpus.source)
     kept = args.keep_work or args.workdir is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from torch import nn
 
@@ -116,6 +116,26 @@ class DLRReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def combine_reports(parts: list[DLRReport], seconds=max, history=None) -> DLRReport:
+    """One report from the reports of disjoint sets of layers: layer lists joined in order, per-layer fields merged,
+    stage times combined by `seconds` (max: stages that ran side by side, on ranks; sum: one after the other),
+    histories by `history` (default: the first part's), everything else the first part's."""
+    merged = {}
+    for f in fields(DLRReport):
+        values = [getattr(p, f.name) for p in parts]
+        if f.name in ("layers", "start_identity_layers"):
+            merged[f.name] = sorted(i for v in values for i in v)
+        elif isinstance(values[0], dict):
+            merged[f.name] = dict(sorted((k, v) for part in values for k, v in part.items()))
+        elif f.name.endswith("_seconds"):
+            merged[f.name] = seconds(values)
+        elif f.name.endswith("_history") and history is not None:
+            merged[f.name] = history(values)
+        else:
+            merged[f.name] = values[0]
+    return DLRReport(**merged)
 
 
 def rank_for_depth(budget: int, d: int, depth: int) -> int:

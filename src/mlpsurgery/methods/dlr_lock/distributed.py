@@ -5,14 +5,12 @@ layer's student in the stream) and for phase 2, which runs sharded (FSDP2) on al
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from torch import nn
 
 from ... import parallel
 from ...errors import MLPSurgeryError
 from ...modules.dlr import DLRNet, StackedDLR
-from .config import DLRReport
+from .config import DLRReport, combine_reports
 
 
 def check_ranks(layers: list[int]) -> None:
@@ -60,19 +58,7 @@ def merge_reports(report: DLRReport) -> DLRReport:
     stage times the slowest rank's (they ran side by side), histories rank 0's (its layers' losses)."""
     if parallel.world()[1] == 1:
         return report
-    parts = parallel.all_gather(report)
-    merged = {}
-    for f in fields(DLRReport):
-        values = [getattr(p, f.name) for p in parts]
-        if f.name == "layers" or f.name == "start_identity_layers":
-            merged[f.name] = sorted(i for v in values for i in v)
-        elif isinstance(values[0], dict):
-            merged[f.name] = dict(sorted((k, v) for part in values for k, v in part.items()))
-        elif f.name.endswith("_seconds"):
-            merged[f.name] = max(values)
-        else:
-            merged[f.name] = values[0]
-    return DLRReport(**merged)
+    return combine_reports(parallel.all_gather(report))
 
 
 def install_all(model: nn.Module, nets: dict[int, DLRNet], install) -> dict[int, DLRNet]:

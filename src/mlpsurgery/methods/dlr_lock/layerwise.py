@@ -34,7 +34,7 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -43,13 +43,13 @@ from torch import Tensor
 
 from ...capture import layer_capture
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import Fingerprint, model_fingerprint
+from ...files import model_fingerprint
 from ...io import atomic_write_text, record
 from ...layerwise import LayerStream, rewrite
 from ...modules.dlr import DLRNet
 from ...sites import find_sites
 from .captured import capture_batch
-from .config import DLRConfig, DLRReport, plan
+from .config import DLRConfig, DLRReport, combine_reports, plan
 from .modulewise import phase1
 from .workdir import _save_stage_file
 
@@ -63,15 +63,6 @@ def check_layerwise(cfg: DLRConfig) -> None:
         raise MLPSurgeryError("--layerwise distils each MLP on its own, one layer in memory at a time; phase 2 trains "
                               "the whole model end to end: add --phase2-steps 0 (for phase 2, run `lock dlr` on the "
                               "whole model, or under torchrun), or drop --layerwise")
-
-
-def resident_digest(stream: LayerStream) -> str:
-    """The parts outside the layers (embeddings, final norm, head) with the model's class and config: what the work
-    folder is claimed for (each layer's digest is added as it is read)."""
-    fp = Fingerprint(stream.model)
-    for name, t in stream.resident_state().items():
-        fp.add(name, t)
-    return fp.hexdigest()
 
 
 def _chain(h: str, *parts) -> str:
@@ -125,25 +116,12 @@ def layer_seed(cfg: DLRConfig, i: int) -> int:
     return cfg.seed + i
 
 
-def merge_layers(reports: list[DLRReport], layers: list[int], depth: int, rank: int, budget: int,
-                 params_dlr: int) -> DLRReport:
+def merge_layers(reports: list[DLRReport], budget: int) -> DLRReport:
     """One report from the per-layer ones: per-layer fields merged, stage times summed (the layers ran one after
-    the other), histories averaged over the layers step by step (every layer runs the same schedule)."""
-    out = DLRReport(layers=layers, depth=depth, rank=rank, params_mlp=budget, params_dlr=params_dlr)
-    for f in fields(DLRReport):
-        values = [getattr(r, f.name) for r in reports]
-        if not values or f.name in ("layers", "depth", "rank", "params_mlp", "params_dlr"):
-            continue
-        if f.name == "start_identity_layers":
-            setattr(out, f.name, sorted(i for v in values for i in v))
-        elif isinstance(values[0], dict):
-            setattr(out, f.name, dict(sorted((k, v) for part in values for k, v in part.items())))
-        elif f.name.endswith("_seconds"):
-            setattr(out, f.name, sum(values))
-        elif f.name.endswith("_history"):
-            setattr(out, f.name, _mean_history(values))
-        else:
-            setattr(out, f.name, values[0])
+    the other), histories averaged over the layers step by step (every layer runs the same schedule); the MLP's
+    parameters the largest locked MLP's (as `plan` reports them)."""
+    out = combine_reports(reports, seconds=sum, history=_mean_history)
+    out.params_mlp = budget
     return out
 
 
@@ -170,7 +148,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                    progress: bool = True, data_name: str = "") -> dict:
     """Lock the checkpoint `stream` reads (capture, closed-form start, phase 1, on-policy steps) one decoder layer at a
     time and save the result to `out`. blocks: (N, T) calibration token ids (what `lock dlr` distils on). The work
-    folder (made and claimed by the caller, e.g. for `resident_digest(stream)`) holds the resumable per-layer
+    folder (made and claimed by the caller, e.g. for `stream.resident_fingerprint()`) holds the resumable per-layer
     stages. Returns the report's dict."""
     check_layerwise(cfg)
     workdir = Path(workdir)
@@ -191,7 +169,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     extra = (2 if onpolicy else 1) * pairs + 16 * params + (2 * act_bytes if onpolicy else 0)
     acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
     on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
-    start = _chain(resident_digest(stream), blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
+    start = _chain(stream.resident_fingerprint(), blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
                    stream.dtype, cfg.capture_dtype)
     chain = {"teacher": start, "onpolicy": start}
     reports: list[DLRReport] = []
@@ -252,7 +230,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     result = {}
 
     def finish() -> None:
-        result["report"] = report = merge_layers(reports, everything, depth, cfg.rank, budget, params)
+        result["report"] = report = merge_layers(reports, budget)
         record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
                phase1_steps=cfg.phase1_steps, onpolicy_steps=cfg.onpolicy_count, phase2_steps=0, layerwise=True,
                phase1_relative_error=report.phase1_relative_error,

@@ -98,8 +98,9 @@ def continue_phase2(model: nn.Module, original: nn.Module, blocks: Tensor, cfg: 
     cfg.validate()
     if cfg.phase2_steps < 1:
         raise MLPSurgeryError("continuing a locked model with phase 2 needs --phase2-steps >= 1")
-    nets = [m for m in model.modules() if isinstance(m, DLRNet)]
-    if not nets:
+    sites = find_sites(model)
+    layers = [i for i in range(len(sites)) if isinstance(sites.mlp[i].module, DLRNet)]
+    if not layers:
         raise MLPSurgeryError("the model holds no DLR-Nets: phase 2 alone continues a folder `lock dlr` wrote (e.g. "
                               "with --layerwise --phase2-steps 0)")
     top = Path(workdir)
@@ -109,8 +110,6 @@ def continue_phase2(model: nn.Module, original: nn.Module, blocks: Tensor, cfg: 
     teacher = teacher_stage(original, blocks, cfg, workdir, progress)
     if on_teacher is not None:
         on_teacher(original)
-    sites = find_sites(model)
-    layers = [i for i in range(len(sites)) if isinstance(sites.mlp[i].module, DLRNet)]
     first = sites.mlp[layers[0]].module
     report = DLRReport(layers=layers, depth=first.depth, rank=first.rank, params_mlp=0,
                        params_dlr=sum(p.numel() for p in first.parameters()))
