@@ -260,3 +260,21 @@ def test_cli_phase2_only_continues_a_layerwise_lock_and_its_refusals(tmp_path, c
     assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--original", str(other), *p2,
                  "--out", str(tmp_path / "x4")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work", "x4.work"))
+
+
+def test_mlps_of_different_sizes_get_one_depth_and_resume(tmp_path, monkeypatch):
+    """A folder whose MLPs differ in width (layer 0 fused narrower): every net has the depth of the largest MLP's
+    budget, as in a whole-model run, so a finished layer's net is read back into the shape it was saved with."""
+    from mlpsurgery.methods.fusion import FusionConfig
+    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    fuse_layerwise(src, tmp_path / "narrow", FusionConfig(width=8, layers="0", n_init=1), progress=False)
+    cfg = _cfg(depth=None)
+    _lock(tmp_path / "narrow", tmp_path, cfg, "ref")
+    _stopped_at_layer_2(tmp_path / "narrow", tmp_path, cfg, monkeypatch)
+    _lock(tmp_path / "narrow", tmp_path, cfg)
+    depths = {m.depth for m in load(tmp_path / "out").modules() if type(m).__name__ == "DLRNet"}
+    assert len(depths) == 1
+    a, b = file_tensors(tmp_path / "ref"), file_tensors(tmp_path / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,11 +9,12 @@ activations: the skeleton's layers are read in turn (`layerwise.rewrite`); for e
        layers before it (already distilled, their nets installed) produce -- and the sub-block's answer to them is
        recorded: (x', x' + MLP(x')), the original function on the inputs it will meet;
     3. modulewise.phase1 distils the layer's DLR-Net on them (the closed-form start, phase-1 steps, the on-policy
-       steps), exactly as a whole-model run of that one layer (`--layers i`, seed + i) does;
+       steps), exactly as a whole-model run of that one layer (`--layers i`, seed + i, the plan's depth) does;
     4. the net is installed, the layer written to the output and dropped; the teacher stream goes on through the
        original layer, the on-policy stream through the locked one.
 
-So a layer's net equals the one `lock dlr --layers i --seed S+i --phase2-steps 0` trains (tested), and the
+So a layer's net equals the one `lock dlr --layers i --seed S+i --depth D --phase2-steps 0` trains (D: the depth
+of the largest locked MLP's budget, which every layer gets, as in a whole-model run; tested), and the
 on-policy pairs are fully on-policy: every earlier layer is locked with its *final* net (in a whole-model run the
 on-policy capture runs the phase-1 nets before their own on-policy steps). Not here: phase 2 (end-to-end logit
 distillation), which trains every layer at once -- it needs the whole model, or FSDP under torchrun.
@@ -211,7 +212,8 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                                    _chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
                     if needed:
                         stream.run(i, on_acts, keep=False)
-            one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i))
+            # the plan's one depth (the largest locked MLP's budget), as a whole-model run gives every layer
+            one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i), depth=depth)
             nets, rep = phase1(model, blocks, one, wd, progress=progress, captured=cap, onpolicy_captured=oncap)
             reports.append(rep)
             net = nets[i].to(dtype=stream.dtype)
