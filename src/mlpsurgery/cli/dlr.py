@@ -25,7 +25,7 @@ def run_lock(args) -> dict:
     from ..io import check_out, check_source, save, source_spec
     from ..measure.memory import peak_rss
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
-    from ..methods.dlr_lock import DLRConfig, continue_phase2, dlr_lock, plan, rank_for_depth
+    from ..methods.dlr_lock import continue_phase2, dlr_lock, plan
     from ..methods.dlr_lock.distributed import check_ranks
     from ..models import check_context, load_model
 
@@ -78,11 +78,7 @@ def run_lock(args) -> dict:
         check_source(model, original, spec)
         original.to(device=device, dtype=next(model.parameters()).dtype)
     else:
-        if args.depth and not args.rank:
-            from ..sites import find_sites
-
-            _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
-            cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
+        _rank_from_depth(args, cfg, model)
         cfg.validate()
         check_ranks(plan(model, cfg)[0])  # the layer selection and the MLPs are checked before anything is written
     check_context(model, cfg.block_len)
@@ -158,6 +154,16 @@ def _config(args):
                      gradient_checkpointing=not args.no_checkpointing, seed=args.seed, memory_limit_gb=args.memory_gb)
 
 
+def _rank_from_depth(args, cfg, model) -> None:
+    """--depth without --rank: the rank whose blocks at that depth best match the MLP's parameters (shapes only)."""
+    if args.depth and not args.rank:
+        from ..methods.dlr_lock import DLRConfig, plan, rank_for_depth
+        from ..sites import find_sites
+
+        _, _, budget = plan(model, DLRConfig(rank=1, layers=args.layers))
+        cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
+
+
 def _calibration(corpus, cfg):
     calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
     if len(calib) < 2:
@@ -174,10 +180,9 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     from ..files import check_state, claim, remove_ours
     from ..io import check_out
     from ..measure.memory import peak_rss
-    from ..methods.dlr_lock import DLRConfig, plan, rank_for_depth
+    from ..methods.dlr_lock import plan
     from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
-    from ..sites import find_sites
 
     if parallel.world()[1] > 1:
         raise MLPSurgeryError("--layerwise runs as one process (it reads one layer at a time): drop torchrun, or drop "
@@ -192,9 +197,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
         raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer files")
     stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
     stream = open_stream(folder, work, dtype=working_dtype(), max_memory_gb=args.max_memory)
-    if args.depth and not args.rank:
-        _, _, budget = plan(stream.model, DLRConfig(rank=1, layers=args.layers))
-        cfg.rank = rank_for_depth(budget, find_sites(stream.model).config.hidden_size, args.depth)
+    _rank_from_depth(args, cfg, stream.model)
     cfg.validate()
     plan(stream.model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
     check_context(stream.model, cfg.block_len)
