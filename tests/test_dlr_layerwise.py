@@ -278,3 +278,15 @@ def test_mlps_of_different_sizes_get_one_depth_and_resume(tmp_path, monkeypatch)
     assert len(depths) == 1
     a, b = file_tensors(tmp_path / "ref"), file_tensors(tmp_path / "out")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_work_folder_holding_the_users_files_is_refused_and_left_alone(tmp_path):
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    notes = tmp_path / "mine" / "layer000" / "notes.txt"  # a finished layer's working files are removed: not these
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+    with pytest.raises(MLPSurgeryError, match="did not write"):
+        lw.lock_layerwise(lw.open_stream(src, tmp_path / "mine"), tmp_path / "out", _cfg(), BLOCKS, tmp_path / "mine",
+                          progress=False)
+    assert notes.read_text() == "mine" and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["layer000"]

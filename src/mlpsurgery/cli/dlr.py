@@ -177,7 +177,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     checkpoint's files (methods/dlr_lock/layerwise.py); no phase 2, no perplexity (both need the whole model)."""
     from .. import parallel
     from ..data import load_corpus
-    from ..files import check_state, claim, remove_ours
+    from ..files import check_state, remove_ours
     from ..io import check_out
     from ..measure.memory import peak_rss
     from ..methods.dlr_lock import plan
@@ -205,8 +205,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
     calib = _calibration(corpus, cfg)
-    claim(work, "dlr-work-layerwise", {"model": stream.resident_fingerprint()}, inputs=inputs + [out])
-    res = lock_layerwise(stream, out, cfg, calib, work, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work],
+    res = lock_layerwise(stream, out, cfg, calib, work, tokenizer=tok, overwrite=args.overwrite, inputs=inputs,
                          source_name=name, progress=not args.quiet, data_name=corpus.source)
     kept = args.keep_work or args.workdir is not None
     if not kept:

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ...capture import layer_capture
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import model_fingerprint
+from ...files import claim, model_fingerprint
 from ...io import atomic_write_text, record
 from ...layerwise import LayerStream, rewrite
 from ...modules.dlr import DLRNet
@@ -149,13 +149,16 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                    progress: bool = True, data_name: str = "") -> dict:
     """Lock the checkpoint `stream` reads (capture, closed-form start, phase 1, on-policy steps) one decoder layer at a
     time and save the result to `out`. blocks: (N, T) calibration token ids (what `lock dlr` distils on). The work
-    folder (made and claimed by the caller, e.g. for `stream.resident_fingerprint()`) holds the resumable per-layer
-    stages. Returns the report's dict."""
+    folder holds the resumable per-layer stages; it is claimed for this model first (a new or empty folder is
+    marked as mlpsurgery's; one holding anything else, or another model's work, is refused), since a finished
+    layer's working files are removed from it. Returns the report's dict."""
     check_layerwise(cfg)
     workdir = Path(workdir)
     model = stream.model
     sites = find_sites(model)
     everything, depth, budget = plan(model, cfg)  # shapes only: the skeleton suffices
+    resident = stream.resident_fingerprint()
+    claim(workdir, "dlr-work-layerwise", {"model": resident}, inputs=[*inputs, out])
     d = sites.config.hidden_size
     onpolicy = cfg.onpolicy_count > 0
     batch = capture_batch(len(blocks))
@@ -170,7 +173,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     extra = (2 if onpolicy else 1) * pairs + 16 * params + (2 * act_bytes if onpolicy else 0)
     acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
     on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
-    start = _chain(stream.resident_fingerprint(), blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
+    start = _chain(resident, blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
                    stream.dtype, cfg.capture_dtype)
     chain = {"teacher": start, "onpolicy": start}
     reports: list[DLRReport] = []
@@ -238,7 +241,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                phase1_relative_error=report.phase1_relative_error,
                distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds)
 
-    rewrite(stream, out, work, "DLR-Lock (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
-            source_name=source_name, progress=progress, finish=finish)
+    rewrite(stream, out, work, "DLR-Lock (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
+            inputs=[*inputs, workdir], source_name=source_name, progress=progress, finish=finish)
     return {"out": str(out), "report": result["report"].as_dict(), "layerwise": True, "seconds": time.perf_counter() - t0,
             "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk}
