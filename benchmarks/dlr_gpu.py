@@ -34,9 +34,12 @@ def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU to check the script itself")
     ap.add_argument("--tokens", help="comma-separated token counts")
-    ap.add_argument("--out", default="docs/dlr-gpu.md")
+    ap.add_argument("--out", default="runs/dlr/gpu.md", help="the tables (docs/dlr-gpu.md quotes them)")
     ap.add_argument("--json", default="runs/dlr/gpu.json")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds after the start past which no torch.compile cell is started (0: no limit); the "
+                         "results are saved after every row, so a run stopped early keeps what it measured")
     ap.add_argument("--layers", type=int, default=8, help="layers trained side by side in the phase-1 benchmark")
     return ap.parse_args()
 
@@ -48,6 +51,7 @@ if args.dry_run:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from mlpsurgery.kernels import dlr_triton  # noqa: E402
 from mlpsurgery.modules.dense import DenseMLP  # noqa: E402
 from mlpsurgery.modules.dlr import DLRNet, StackedDLR  # noqa: E402
 
@@ -70,8 +74,11 @@ def bench(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def graphed(module: nn.Module, x: torch.Tensor):
-    """CUDA-graph replay of module(x) on a static input (launch overhead removed)."""
+START = time.perf_counter()
+
+
+def graphed(module, x: torch.Tensor):
+    """CUDA-graph replay of module(x) (any callable) on a static input (launch overhead removed)."""
     if DEVICE != "cuda":
         return None
     static = x.clone()
@@ -101,62 +108,141 @@ def dlr(d: int, r: int, depth: int, fused: bool) -> DLRNet:
 
 
 def correctness(d: int, r: int, depth: int, T: int) -> dict:
-    """Relative error of the fused forward and of PyTorch's bf16 forward against a float64 reference."""
-    net = dlr(d, r, depth, fused=True)
+    """Relative error of each fused schedule and of PyTorch's forward in the same dtype against a float64
+    reference (PyTorch's forward in float64), NaN-poisoned outputs (every element must be written)."""
+    net = dlr(d, r, depth, fused=False)
     x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
+    out = {}
     with torch.no_grad():
-        ref = net.double().full(x.double()) - x.double()
-        net.to(DTYPE)
-        from mlpsurgery.kernels.dlr_triton import dlr_forward, folded_weights
-
-        Dp, Up = folded_weights(net, DTYPE)
-        out = torch.full_like(x, float("nan"))
-        fused = dlr_forward(x, Dp, Up, net.eps, out=out).double()
-        net.fused = False
-        plain = net(x).double()
+        plain = net._delta(x).double()
+        Dp, Up = dlr_triton.folded_weights(net, DTYPE)
+        fused = {}
+        for path in dlr_triton.PATHS:
+            try:
+                poison = torch.full_like(x, float("nan"))
+                fused[path] = dlr_triton.dlr_forward(x, Dp, Up, net.eps, out=poison, path=path).double()
+            except Exception as e:  # noqa: BLE001 - a schedule that fails to compile is reported, not fatal
+                out[f"error_{path}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        del Dp, Up
+        net._folded = None
+        ref = net.double()._delta(x.double())
     rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
-    return {"fused": rel(fused), "pytorch": rel(plain), "all_written": bool(torch.isfinite(fused).all())}
+    out["pytorch"] = rel(plain)
+    for path, f in fused.items():
+        out[path] = rel(f)
+        out[f"all_written_{path}"] = bool(torch.isfinite(f).all())
+    return out
+
+
+def timed(row: dict, key: str, fn) -> None:
+    """row[key] = median seconds of fn(); a failure is recorded in the row instead."""
+    try:
+        row[key] = bench(fn)
+    except Exception as e:  # noqa: BLE001
+        row[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def inference_row(d: int, h: int, r: int, depth: int, T: int) -> dict:
     x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
     mlp = swiglu(d, h)
     net = dlr(d, r, depth, fused=False)
-    fused = dlr(d, r, depth, fused=True)
+    row = {"d": d, "h": h, "r": r, "depth": depth, "T": T, "auto_path": dlr_triton.choose_path(T, d, r)}
     with torch.no_grad():
-        fused(x)  # fold the weights and compile the kernel outside the timing
-    row = {"d": d, "h": h, "r": r, "depth": depth, "T": T}
-    with torch.no_grad():
-        row["swiglu_eager"] = bench(lambda: mlp(x))
-        row["dlr_eager"] = bench(lambda: net(x))
-        row["dlr_fused"] = bench(lambda: fused(x))
+        Dp, Up = dlr_triton.folded_weights(net, DTYPE)
+        timed(row, "swiglu_eager", lambda: mlp(x))
+        timed(row, "dlr_eager", lambda: net(x))
         gs, gd = graphed(mlp, x), graphed(net, x)
         if gs is not None:
-            row["swiglu_graph"] = bench(gs)
-            row["dlr_graph"] = bench(gd)
-            gf = graphed(fused, x)
-            row["dlr_fused_graph"] = bench(gf)
-        if not args.skip_compile:
-            cm = torch.compile(mlp)
-            cd = torch.compile(net)
-            cm(x), cd(x)
-            row["swiglu_compile"] = bench(lambda: cm(x))
-            row["dlr_compile"] = bench(lambda: cd(x))
-    best_swiglu = min(v for k, v in row.items() if k.startswith("swiglu_"))
-    row["ratio_eager"] = row["dlr_eager"] / row["swiglu_eager"]
-    if "dlr_graph" in row:
-        row["ratio_graph"] = row["dlr_graph"] / row["swiglu_graph"]
-    if "dlr_compile" in row:
-        row["ratio_compile"] = row["dlr_compile"] / row["swiglu_compile"]
-    fused_best = min(row["dlr_fused"], row.get("dlr_fused_graph", math.inf))
-    row["ratio_fused_vs_best_swiglu"] = fused_best / best_swiglu
-    # the physical floor: SwiGLU's FLOPs and weight bytes (equal for both) + one read and write of the residual
-    flops = 2 * 3 * d * h * T
-    weight_bytes = 3 * d * h * torch.finfo(DTYPE).bits // 8
-    resid = 2 * depth * T * d * torch.finfo(DTYPE).bits // 8
-    row["fused_tflops"] = flops / fused_best / 1e12
-    row["fused_gbps"] = (weight_bytes + resid) / fused_best / 1e9
+            timed(row, "swiglu_graph", gs)
+            timed(row, "dlr_graph", gd)
+        for path in dlr_triton.PATHS:
+            def fused(inp, path=path):
+                return dlr_triton.dlr_forward(inp, Dp, Up, net.eps, path=path)
+            try:
+                fused(x)  # compile the kernels outside the timing
+            except Exception as e:  # noqa: BLE001
+                row[f"error_fused_{path}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            timed(row, f"fused_{path}_eager", lambda: fused(x))
+            if DEVICE == "cuda":
+                try:
+                    timed(row, f"fused_{path}_graph", graphed(fused, x))
+                except Exception as e:  # noqa: BLE001
+                    row[f"error_fused_{path}_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finish_row(row)
     return row
+
+
+def compile_cells(row: dict) -> None:
+    """torch.compile of both modules at this row's shape (minutes of compilation each, so run last)."""
+    d, h, r, depth, T = (row[k] for k in ("d", "h", "r", "depth", "T"))
+    x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
+    mlp, net = swiglu(d, h), dlr(d, r, depth, fused=False)
+    with torch.no_grad():
+        cm, cd = torch.compile(mlp), torch.compile(net)
+        t0 = time.perf_counter()
+        try:
+            cm(x), cd(x)
+        except Exception as e:  # noqa: BLE001
+            row["error_compile"] = f"{type(e).__name__}: {str(e)[:300]}"
+            return
+        row["compile_seconds"] = time.perf_counter() - t0
+        timed(row, "swiglu_compile", lambda: cm(x))
+        timed(row, "dlr_compile", lambda: cd(x))
+    finish_row(row)
+
+
+def finish_row(row: dict) -> None:
+    """Ratios, the fused schedules' best times, and the roofline: the floor is the larger of the DLR-Net's
+    FLOPs over the measured matrix rate and its fewest bytes (weights once, residual read + written once per
+    block) over the measured copy bandwidth."""
+    d, h, r, depth, T = (row[k] for k in ("d", "h", "r", "depth", "T"))
+    swiglu_times = [v for k, v in row.items() if k.startswith("swiglu_") and isinstance(v, float)]
+    best_swiglu = min(swiglu_times) if swiglu_times else math.nan
+    row["best_swiglu"] = best_swiglu
+    for variant in ("eager", "graph", "compile"):
+        if f"dlr_{variant}" in row and f"swiglu_{variant}" in row:
+            row[f"ratio_{variant}"] = row[f"dlr_{variant}"] / row[f"swiglu_{variant}"]
+    bits = torch.finfo(DTYPE).bits
+    flops = 2 * 2 * d * r * depth * T
+    nbytes = (2 * d * r * depth + 2 * depth * T * d) * bits // 8
+    floor = max(flops / CEILINGS["flops"], nbytes / CEILINGS["bytes_per_s"]) if CEILINGS else math.nan
+    row["floor_seconds"] = floor
+    row["floor_bound"] = ("compute" if CEILINGS and flops / CEILINGS["flops"] > nbytes / CEILINGS["bytes_per_s"]
+                          else "memory")
+    for path in dlr_triton.PATHS:
+        times = [row[k] for k in (f"fused_{path}_eager", f"fused_{path}_graph") if k in row]
+        if times:
+            row[f"fused_{path}"] = min(times)
+            row[f"ratio_fused_{path}"] = min(times) / best_swiglu
+    best = [(row[f"fused_{p}"], p) for p in dlr_triton.PATHS if f"fused_{p}" in row]
+    if best:
+        t, p = min(best)
+        row["fused_best"], row["fused_best_path"] = t, p
+        row["ratio_fused_best"] = t / best_swiglu
+        row["fused_tflops"] = flops / t / 1e12
+        row["fused_gbps"] = nbytes / t / 1e9
+        row["roofline_fraction"] = floor / t
+    if f"fused_{row['auto_path']}" in row:
+        row["ratio_fused_auto"] = row[f"fused_{row['auto_path']}"] / best_swiglu
+
+
+CEILINGS: dict = {}
+
+
+def measure_ceilings() -> dict:
+    """The two ceilings of this card, measured: a large device-to-device copy (bytes read + written per second)
+    and a large bf16 matrix product (FLOP/s), on random data."""
+    if DEVICE != "cuda":
+        return {}
+    a = torch.randn(1 << 28, device=DEVICE, dtype=torch.bfloat16)  # 512 MiB
+    b = torch.empty_like(a)
+    t_copy = bench(lambda: b.copy_(a))
+    m = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    n = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    t_mm = bench(lambda: m @ n)
+    del a, b, m, n
+    return {"bytes_per_s": 2 * (1 << 28) * 2 / t_copy, "flops": 2 * 8192 ** 3 / t_mm}
 
 
 def training_row(d: int, h: int, r: int, depth: int, T: int) -> dict:
@@ -211,64 +297,115 @@ def main():
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (DRY_TOKENS if args.dry_run else TOKENS)
     machine = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (dry run, Triton interpreter)"
-    res = {"machine": machine, "dtype": str(DTYPE), "torch": torch.__version__, "inference": [], "training": [],
-           "correctness": [], "phase1": None}
+    import triton
+
+    CEILINGS.update(measure_ceilings())
+    res = {"machine": machine, "dtype": str(DTYPE), "torch": torch.__version__, "triton": triton.__version__,
+           "ceilings": dict(CEILINGS), "inference": [], "training": [], "correctness": [], "phase1": None}
+    print("ceilings", CEILINGS, flush=True)
+
+    def save():
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_doc(res, Path(args.out) if not args.dry_run else Path(args.json).with_suffix(".md"))
+
     for d, h, r, depth in shapes:
         for T in (tokens[0], tokens[-1]):
             res["correctness"].append({"d": d, "r": r, "depth": depth, "T": T, **correctness(d, r, depth, T)})
             print("correct", res["correctness"][-1], flush=True)
         for T in tokens:
             res["inference"].append(inference_row(d, h, r, depth, T))
-            print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in res["inference"][-1].items()}, flush=True)
-        res["training"].append({"d": d, "h": h, "r": r, "depth": depth, "T": tokens[1] if len(tokens) > 1 else tokens[0],
-                                **training_row(d, h, r, depth, tokens[1] if len(tokens) > 1 else tokens[0])})
+            print(short(res["inference"][-1]), flush=True)
+            save()
+    T_train = tokens[1] if len(tokens) > 1 else tokens[0]
+    for d, h, r, depth in shapes:
+        res["training"].append({"d": d, "h": h, "r": r, "depth": depth, "T": T_train,
+                                **training_row(d, h, r, depth, T_train)})
         print("train", res["training"][-1], flush=True)
+        save()
     d, h, r, depth = shapes[-1]
     res["phase1"] = {"d": d, "r": r, "depth": depth,
                      **phase1_throughput(d, r, depth, 2 if args.dry_run else args.layers, 64 if args.dry_run else 2048)}
     print("phase1", res["phase1"], flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1))
-    write_doc(res, Path(args.out) if not args.dry_run else Path(args.json).with_suffix(".md"))
+    save()
+    if not args.skip_compile:
+        for row in res["inference"]:
+            if args.deadline and time.perf_counter() - START > args.deadline:
+                print("deadline: the remaining torch.compile cells are not run", flush=True)
+                break
+            compile_cells(row)
+            print("compile", short(row), flush=True)
+            save()
+
+
+def short(row: dict) -> dict:
+    return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()
+            if k.startswith(("d", "r", "T", "ratio", "fused_best", "roofline", "error", "compile"))}
 
 
 def write_doc(res: dict, path: Path) -> None:
     def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
+    c = res["ceilings"]
     lines = [
-        "# DLR-Lock on the GPU: fused inference and batched distillation",
+        "# DLR-Net vs SwiGLU on the GPU (written by `python benchmarks/dlr_gpu.py`)",
         "",
-        f"Machine: {res['machine']}, {res['dtype']}, torch {res['torch']}. Command: `python benchmarks/dlr_gpu.py`.",
-        "Ratios are DLR-Net / SwiGLU time of the same variant (eager, CUDA-graph replay, torch.compile); the",
-        "fused column is our kernel's best time (eager or graph-replayed) over the best SwiGLU time of any variant.",
+        f"Machine: {res['machine']}, {res['dtype']}, torch {res['torch']}, triton {res['triton']}. Ceilings measured "
+        f"in the same run: copy {f(c.get('bytes_per_s', math.nan) / 1e12)} TB/s (read + write), bf16 matrix "
+        f"product {f(c.get('flops', math.nan) / 1e12, '{:.0f}')} TFLOP/s.",
+        "Ratios are DLR-Net / SwiGLU time: eager, CUDA graphs and torch.compile each against the SwiGLU in the same "
+        "mode; each fused schedule (our Triton kernels; best of eager and graph replay) against the best SwiGLU of "
+        "any mode. Roofline: the floor (the larger of the DLR-Net's FLOPs over the measured matrix rate and its "
+        "fewest bytes over the measured copy bandwidth) over the best fused time.",
         "",
-        "| shape (d, h) | r | depth | T | eager | CUDA graphs | torch.compile | fused (ours) | fused TFLOP/s | fused GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape (d, h) | r | depth | T | eager | CUDA graphs | torch.compile | fused cols | fused gemm | fused rows "
+        "| automatic | best fused vs SwiGLU | roofline fraction (bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["inference"]:
-        lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {f(row['ratio_eager'])}x | "
-                     f"{f(row.get('ratio_graph'))}x | {f(row.get('ratio_compile'))}x | "
-                     f"**{f(row['ratio_fused_vs_best_swiglu'])}x** | {f(row['fused_tflops'], '{:.1f}')} | "
-                     f"{f(row['fused_gbps'], '{:.0f}')} |")
-    lines += ["", "## Training step (forward + backward + AdamW), one module", "",
-              "| shape | r | depth | T | DLR / SwiGLU | with the fused path switched off |", "|---|---|---|---|---|---|"]
-    for row in res["training"]:
-        lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {f(row['ratio'])}x | "
-                     f"{f(row['ratio_fused_off'])}x |")
+        x = lambda k: f(row.get(k)) + ("x" if row.get(k) is not None else "")  # noqa: E731
+        lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {x('ratio_eager')} | "
+                     f"{x('ratio_graph')} | {x('ratio_compile')} | {x('ratio_fused_cols')} | {x('ratio_fused_gemm')} | "
+                     f"{x('ratio_fused_rows')} | {row['auto_path']} | **{x('ratio_fused_best')}** "
+                     f"({row.get('fused_best_path', '-')}) | {f(row.get('roofline_fraction'))} "
+                     f"({row.get('floor_bound', '-')}) |")
+    lines += ["", "Milliseconds (median of CUDA-event timings):", "",
+              "| d, r, depth | T | SwiGLU eager / graph / compile | DLR eager / graph / compile | cols e / g | "
+              "gemm e / g | rows e / g | floor |", "|---|---|---|---|---|---|---|---|"]
+    ms = lambda row, *ks: " / ".join(f(row.get(k) * 1e3 if row.get(k) is not None else None, "{:.3f}")  # noqa: E731
+                                     for k in ks)
+    for row in res["inference"]:
+        lines.append(f"| {row['d']}, {row['r']}, {row['depth']} | {row['T']} | "
+                     f"{ms(row, 'swiglu_eager', 'swiglu_graph', 'swiglu_compile')} | "
+                     f"{ms(row, 'dlr_eager', 'dlr_graph', 'dlr_compile')} | "
+                     f"{ms(row, 'fused_cols_eager', 'fused_cols_graph')} | {ms(row, 'fused_gemm_eager', 'fused_gemm_graph')} | "
+                     f"{ms(row, 'fused_rows_eager', 'fused_rows_graph')} | {ms(row, 'floor_seconds')} |")
+    errors = [(row, k, v) for row in res["inference"] + res["correctness"] for k, v in row.items()
+              if k.startswith("error")]
+    if errors:
+        lines += ["", "Failures:", ""] + [f"- d={row['d']} r={row['r']} T={row['T']} {k}: {v}" for row, k, v in errors]
+    if res["training"]:
+        lines += ["", "## Training step (forward + backward + AdamW), one module", "",
+                  "| shape | r | depth | T | DLR / SwiGLU | with the fused path switched off |", "|---|---|---|---|---|---|"]
+        for row in res["training"]:
+            lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {f(row['ratio'])}x | "
+                         f"{f(row['ratio_fused_off'])}x |")
     p = res["phase1"]
-    lines += ["", "## Phase-1 distillation throughput", "",
-              f"{p['layers']} layers of (d={p['d']}, r={p['r']}, depth {p['depth']}), {p['tokens']} tokens per layer per "
-              f"step: batched (one StackedDLR) {p['batched_tok_layers_per_s']:.3g} token-layers/s vs one layer at a "
-              f"time {p['sequential_tok_layers_per_s']:.3g} token-layers/s ({p['speedup']:.2f}x).",
-              "", "## Correctness (relative error vs a float64 reference, fresh random inputs, NaN-poisoned output)", "",
-              "| d | r | depth | T | fused | PyTorch same dtype | every element written |", "|---|---|---|---|---|---|---|"]
+    if p:
+        lines += ["", "## Phase-1 distillation throughput", "",
+                  f"{p['layers']} layers of (d={p['d']}, r={p['r']}, depth {p['depth']}), {p['tokens']} tokens per layer "
+                  f"per step: batched (one StackedDLR) {p['batched_tok_layers_per_s']:.3g} token-layers/s vs one layer "
+                  f"at a time {p['sequential_tok_layers_per_s']:.3g} token-layers/s ({p['speedup']:.2f}x)."]
+    lines += ["", "## Correctness (relative error vs a float64 reference, fresh random inputs, NaN-poisoned output)", "",
+              "| d | r | depth | T | PyTorch same dtype | " + " | ".join(dlr_triton.PATHS) + " | every element written |",
+              "|---|---|---|---|---|" + "---|" * len(dlr_triton.PATHS) + "---|"]
     for c in res["correctness"]:
-        lines.append(f"| {c['d']} | {c['r']} | {c['depth']} | {c['T']} | {c['fused']:.2e} | {c['pytorch']:.2e} | "
-                     f"{c['all_written']} |")
+        lines.append(f"| {c['d']} | {c['r']} | {c['depth']} | {c['T']} | {c['pytorch']:.2e} | "
+                     + " | ".join(f(c.get(p), "{:.2e}") for p in dlr_triton.PATHS) + " | "
+                     + str(all(c.get(f"all_written_{p}", False) for p in dlr_triton.PATHS)) + " |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -62,12 +62,16 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
     ]
 
 
-def run(argv: list[str], device: str, threads: int) -> tuple[int, float, str]:
+def start(argv: list[str], device: str, threads: int) -> tuple[subprocess.Popen, float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "mlpsurgery", *argv, "--device", device, "--dtype", "bfloat16", "--json", "--quiet"]
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    return r.returncode, time.perf_counter() - t0, (r.stdout + r.stderr)[-2000:]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.perf_counter()
+
+
+def finish(job: tuple[subprocess.Popen, float]) -> tuple[int, float, str]:
+    proc, t0 = job
+    log, _ = proc.communicate()
+    return proc.returncode, time.perf_counter() - t0, log[-2000:]
 
 
 def logits(folder: Path, probe: torch.Tensor) -> torch.Tensor:
@@ -94,6 +98,8 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=5e8, help="parameters of the synthetic llama (5e8)")
     ap.add_argument("--d", type=int, help="its width (default: by size, as write_synthetic chooses)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of the CPU runs")
+    ap.add_argument("--parallel", action="store_true", help="run each command on both devices at once (the "
+                                                            "GPU run needs little CPU; halves the wall time there)")
     ap.add_argument("--only", help="comma-separated command names to run (default: all); unlock, export and nest "
                                    "rank read what lock key, fuse neuron and nest wrote: name those too")
     ap.add_argument("--json")
@@ -119,9 +125,14 @@ def main() -> int:
             if wanted and name not in wanted:
                 continue
             row = {"command": name, "tolerance": tol}
+            jobs = {}
             for (key, dev), label in zip(runs, ("cpu", "device")):
                 (root / key).mkdir(exist_ok=True)
-                code, secs, log = run(todo[key][j][1], dev, args.threads)
+                jobs[label] = start(todo[key][j][1], dev, args.threads)
+                if not args.parallel:
+                    jobs[label] = finish(jobs[label])
+            for label, job in jobs.items():
+                code, secs, log = job if not args.parallel else finish(job)
                 row[f"{label}_status"], row[f"{label}_seconds"] = code, secs
                 if code:
                     row[f"{label}_log"] = log

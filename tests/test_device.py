@@ -36,7 +36,12 @@ def test_forward_on_the_device_is_the_cpu_forward(device, ids, arch, dtype, tol)
     assert _rel(_out(b, ids), _out(a, ids)) < tol
 
 
-def test_dlr_net_in_float32_does_not_run_in_tf32(device):
+@pytest.mark.parametrize("T", [16, 300])
+def test_dlr_net_in_float32_does_not_run_in_tf32(device, T):
+    """The module (under no_grad: the fused kernel's automatic schedule), every schedule of the kernel by name
+    where it runs, and the autograd path, in float32 against float64: within 1e-5, which TF32 would miss; in
+    bfloat16 every schedule within twice PyTorch's own bfloat16 error on the device."""
+    from mlpsurgery.kernels import dlr_triton as k
     from mlpsurgery.modules.dlr import DLRNet
 
     torch.manual_seed(0)
@@ -44,13 +49,29 @@ def test_dlr_net_in_float32_does_not_run_in_tf32(device):
     with torch.no_grad():
         net.alpha.normal_()  # a trained-looking net, not the identity
         net.norm.uniform_(0.5, 1.5)
-    x = torch.randn(64, 256)
+    x = torch.randn(T, 256)
     with torch.no_grad():
-        ref = net.double()(x.double())
-        got = net.float().to(device)(x.to(device))  # under no_grad: the fused kernel where there is one
+        ref = net.double()._delta(x.double())
+        xd = x.to(device)
+        got = net.float().to(device)(xd)  # under no_grad: the fused kernel where there is one
+        paths = {}
+        if k.HAVE_TRITON and k.available(xd):
+            twin = DLRNet(256, 64, 8).to(device)
+            twin.load_state_dict(net.state_dict())
+            torch_bf16 = _rel(twin.to(torch.bfloat16)._delta(xd.to(torch.bfloat16)), ref)
+            for dtype in (torch.float32, torch.bfloat16):
+                Dp, Up = k.fold(net.D, net.U, net.norm, net.alpha, dtype)
+                for p in k.PATHS:
+                    poison = torch.full((T, 256), float("nan"), dtype=dtype, device=device)
+                    paths[p, str(dtype)] = _rel(k.dlr_forward(xd.to(dtype), Dp, Up, net.eps, out=poison, path=p), ref)
     with torch.enable_grad():
-        train = net(x.to(device))  # the autograd path
+        train = net(xd)  # the autograd path
     assert _rel(got, ref) < 1e-5 and _rel(train, ref) < 1e-5
+    # Triton's CPU interpreter casts float32 to bfloat16 by truncation (twice the error of round-to-nearest-even,
+    # which the GPU does), so its bf16 bound is looser
+    bf16_bound = (3 if k.interpreting() else 2) * torch_bf16 + 1e-3 if paths else None
+    for (p, dtype), err in paths.items():
+        assert err < (1e-5 if dtype == "torch.float32" else bf16_bound), (p, dtype, err, torch_bf16)
 
 
 def test_nested_model_at_a_rank_matches(device, ids):

@@ -1,19 +1,27 @@
-"""A fused inference forward of the DLR-Net in Triton (CUDA for speed; `TRITON_INTERPRET=1` runs it on the
+"""The fused inference forward of the DLR-Net in Triton (CUDA for speed; `TRITON_INTERPRET=1` runs it on the
 CPU for correctness checks).
 
-Per block l the network computes  z <- z + a_l U_l silu(D_l (w_l * z / rms(z))).  The fused kernel:
-- folds the RMSNorm weight into the down projection (D'_l = D_l diag(w_l)) and the ReZero scalar into the
-  up projection (U'_l = a_l U_l), once per weight version;
-- computes the row scale 1/rms(z) in the same pass as the down projection (sum of squares accumulated
-  while the z tiles stream through), since  D_l (w_l * z / rms(z)) = (D'_l z) / rms(z);
-- applies SiLU, the up projection and the residual add, and in that same pass over z already accumulates
-  the *next* block's down projection and sum of squares from the freshly written z tile.
-So each block reads its residual once and writes it once (the physical floor), and the r-wide activations
-stay in registers between blocks. One launch runs every block of the network for a tile of rows (rows are
-independent), which also removes the per-block launch overhead that dominates at small token counts.
-The result is the module's delta DLR(x) - x; the last block subtracts x from its tiles before storing.
+Per block l the network computes  z <- z + a_l U_l silu(D_l (w_l * z / rms(z))).  Every path folds the RMSNorm
+weight into the down projection (D'_l = D_l diag(w_l)) and the ReZero scalar into the up projection
+(U'_l = a_l U_l), once per weight version, and uses  D_l (w_l * z / rms(z)) = (D'_l z) / rms(z):  the row scale
+1/rms(z) comes from a sum of squares taken while z streams through the down projection anyway. The result is the
+module's delta DLR(x) - x. Three schedules of that arithmetic, chosen by the number of rows T (`choose_path`):
 
-Training never uses this path: autograd needs the stored activations, and locking must not get cheaper.
+- **cols** (few rows, e.g. decoding): the weights are what must stream, at full bandwidth, so each block's work is
+  split over the *columns* d across all multiprocessors: program j owns columns j*BK.. of the residual, adds
+  U'_l[cols] silu(h_l) to them and, in the same pass, accumulates its share of the next block's down projection
+  h_{l+1} += z[:, cols] D'_{l+1}[:, cols]^T and sum of squares (fp32 atomics into a per-block buffer). One
+  launch per block (depth + 1 in all; CUDA-graph replay removes their launch cost), every weight read once.
+- **gemm** (many rows, e.g. prefill): two matrix products per block with the elementwise work in their
+  epilogues: down  A = silu((Z D'^T) / rms(Z))  (the sum of squares from the Z tiles the product loads) and up
+  Z += A U'^T  (the residual add in the epilogue; the last block subtracts x). Large row tiles reuse each weight
+  tile across 64-128 rows on the tensor cores; the residual moves three times per block (read, read + write).
+- **rows** (the first design, kept for measurement): one launch runs every block for a tile of rows, the residual
+  read and written once per block and the r-wide activations kept in registers, but every tile of rows streams
+  every block's weights.
+
+Training never uses these paths: autograd needs the stored activations, and locking must not get cheaper.
+float32 weights run their products in IEEE float32 (`input_precision="ieee"`), never silently in TF32.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ try:
     HAVE_TRITON = True
 except ImportError:  # the package works without triton; only the fused path is unavailable
     HAVE_TRITON = False
+
+PATHS = ("cols", "gemm", "rows")
+COLS_MAX_T = 64  # at most this many rows: the column-split schedule; more: the two-product schedule
 
 
 def interpreting() -> bool:
@@ -72,19 +83,27 @@ def folded_weights(net, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return net._folded[1], net._folded[2]
 
 
+def fold(D: Tensor, U: Tensor, norm: Tensor, alpha: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """D' = D diag(w) (depth, r, d) and U' = a U (depth, d, r), contiguous, in the kernel's weight dtype."""
+    with torch.no_grad():
+        Dp = (D * norm[:, None, :]).to(dtype).contiguous()
+        Up = (U * alpha[:, None, None]).to(dtype).contiguous()
+    return Dp, Up
+
+
 if HAVE_TRITON:
+    # Common constexprs: W_F32 runs the products on fp32 operands (the CPU interpreter's bf16 tl.dot is wrong,
+    # and fp32 weights must stay fp32); PREC is tl.dot's input_precision ("ieee" for fp32 operands, never TF32).
 
     @triton.jit
-    def _dlr_forward_kernel(X, OUT, DW, UW, T, d, r, depth, stride_x, stride_o, eps,
-                            BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr):
-        # DOT_F32: run the matrix products in fp32 (the CPU interpreter's bf16 tl.dot is wrong); on the GPU
-        # they run on the tensor cores in the weights' dtype with fp32 accumulation.
+    def _rows_kernel(X, OUT, DW, UW, T, d, r, depth, stride_x, stride_o, eps,
+                     BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BT + tl.arange(0, BT)
         rmask = rows < T
         rr = tl.arange(0, BR)
         rrmask = rr < r
-        w_dtype = tl.float32 if DOT_F32 else DW.dtype.element_ty
+        w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
         # block 0's down projection straight from x, copying x into the running residual buffer
         acc = tl.zeros((BT, BR), dtype=tl.float32)
         ss = tl.zeros((BT,), dtype=tl.float32)
@@ -96,7 +115,7 @@ if HAVE_TRITON:
             zf = z.to(tl.float32)
             ss += tl.sum(zf * zf, axis=1)
             dt = tl.load(DW + rr[None, :] * d + kk[:, None], mask=(kk < d)[:, None] & rrmask[None, :], other=0.0)
-            acc += tl.dot(z.to(w_dtype), dt.to(w_dtype))
+            acc += tl.dot(z.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
         for l in range(0, depth):
             h = acc * tl.rsqrt(ss / d + eps)[:, None]
             a = (h * tl.sigmoid(h)).to(w_dtype)  # (BT, BR): SiLU output, kept in registers
@@ -111,7 +130,7 @@ if HAVE_TRITON:
                 z = tl.load(OUT + rows[:, None] * stride_o + kk[None, :], mask=m2, other=0.0).to(tl.float32)
                 ut = tl.load(u_base + kk[None, :] * r + rr[:, None], mask=rrmask[:, None] & kmask[None, :],
                              other=0.0)  # (BR, BK) = U'_l[kk, :]^T
-                z = z + tl.dot(a, ut.to(w_dtype))
+                z = z + tl.dot(a, ut.to(w_dtype), input_precision=PREC)
                 if l + 1 < depth:
                     zs = z.to(OUT.dtype.element_ty)
                     tl.store(OUT + rows[:, None] * stride_o + kk[None, :], zs, mask=m2)
@@ -119,40 +138,198 @@ if HAVE_TRITON:
                     ss += tl.sum(zf * zf, axis=1)
                     dt = tl.load(d_next + rr[None, :] * d + kk[:, None], mask=kmask[:, None] & rrmask[None, :],
                                  other=0.0)
-                    acc += tl.dot(zs.to(w_dtype), dt.to(w_dtype))
+                    acc += tl.dot(zs.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
                 else:
                     x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
                     tl.store(OUT + rows[:, None] * stride_o + kk[None, :], (z - x).to(OUT.dtype.element_ty),
                              mask=m2)
 
+    @triton.jit
+    def _cols_down(Z, DWl, Hn, SSn, rows, rmask, kk, kmask, d, r,
+                   BR: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
+        """This program's share of a block's down projection and sum of squares, from its (BT, BK) tile Z of the
+        stored residual: Hn[rows] += Z DWl[:, kk]^T and SSn[rows] += sum Z^2 (fp32 atomics)."""
+        w_dtype = tl.float32 if W_F32 else DWl.dtype.element_ty
+        zf = Z.to(tl.float32)
+        tl.atomic_add(SSn + rows, tl.sum(zf * zf, axis=1), mask=rmask)
+        zw = Z.to(w_dtype)
+        for r0 in range(0, r, BR):
+            rr = r0 + tl.arange(0, BR)
+            rrmask = rr < r
+            dt = tl.load(DWl + rr[None, :] * d + kk[:, None], mask=kmask[:, None] & rrmask[None, :], other=0.0)
+            tl.atomic_add(Hn + rows[:, None] * r + rr[None, :], tl.dot(zw, dt.to(w_dtype), input_precision=PREC),
+                          mask=rmask[:, None] & rrmask[None, :])
 
-def fold(D: Tensor, U: Tensor, norm: Tensor, alpha: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """D' = D diag(w) (depth, r, d) and U' = a U (depth, d, r), contiguous, in the kernel's weight dtype."""
-    with torch.no_grad():
-        Dp = (D * norm[:, None, :]).to(dtype).contiguous()
-        Up = (U * alpha[:, None, None]).to(dtype).contiguous()
-    return Dp, Up
+    @triton.jit
+    def _cols_first_kernel(X, OUT, DW, H, SS, T, d, r, stride_x, stride_o,
+                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr,
+                           PREC: tl.constexpr):
+        """Copy x's tile into the residual and accumulate block 0's down projection (H[0], SS[0])."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        rmask = rows < T
+        kk = tl.program_id(1) * BK + tl.arange(0, BK)
+        kmask = kk < d
+        m2 = rmask[:, None] & kmask[None, :]
+        z = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+        tl.store(OUT + rows[:, None] * stride_o + kk[None, :], z, mask=m2)
+        _cols_down(z, DW, H, SS, rows, rmask, kk, kmask, d, r, BR, W_F32, PREC)
+
+    @triton.jit
+    def _cols_block_kernel(X, OUT, DW, UW, H, SS, T, d, r, l, depth, stride_x, stride_o, eps,
+                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr,
+                           PREC: tl.constexpr):
+        """Block l on this program's columns: z[:, kk] += U'_l[kk] silu(H[l] / rms) and, unless l is the last
+        block, block l+1's down projection share (H[l+1], SS[l+1]); the last block stores z - x."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        rmask = rows < T
+        kk = tl.program_id(1) * BK + tl.arange(0, BK)
+        kmask = kk < d
+        m2 = rmask[:, None] & kmask[None, :]
+        w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
+        scale = tl.rsqrt(tl.load(SS + l * T + rows, mask=rmask, other=0.0) / d + eps)
+        z = tl.load(OUT + rows[:, None] * stride_o + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+        u_base = UW + l * d * r
+        for r0 in range(0, r, BR):
+            rr = r0 + tl.arange(0, BR)
+            rrmask = rr < r
+            h = tl.load(H + l * T * r + rows[:, None] * r + rr[None, :], mask=rmask[:, None] & rrmask[None, :],
+                        other=0.0) * scale[:, None]
+            a = (h * tl.sigmoid(h)).to(w_dtype)
+            ut = tl.load(u_base + kk[None, :] * r + rr[:, None], mask=rrmask[:, None] & kmask[None, :], other=0.0)
+            z += tl.dot(a, ut.to(w_dtype), input_precision=PREC)
+        if l + 1 < depth:
+            zs = z.to(OUT.dtype.element_ty)
+            tl.store(OUT + rows[:, None] * stride_o + kk[None, :], zs, mask=m2)
+            _cols_down(zs, DW + (l + 1) * r * d, H + (l + 1) * T * r, SS + (l + 1) * T, rows, rmask, kk, kmask,
+                       d, r, BR, W_F32, PREC)
+        else:
+            x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            tl.store(OUT + rows[:, None] * stride_o + kk[None, :], (z - x).to(OUT.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _gemm_down_kernel(Z, A, DW, T, d, r, l, stride_z, eps,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_F32: tl.constexpr,
+                          PREC: tl.constexpr):
+        """A[rows, cols] = silu((Z D'_l^T)[rows, cols] / rms(Z[rows])), the sum of squares taken from the Z tiles
+        the product loads. Programs of one row tile are adjacent, so they share its Z tiles in L2."""
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(r, BN)
+        rows = (pid // n_tiles) * BM + tl.arange(0, BM)
+        cols = (pid % n_tiles) * BN + tl.arange(0, BN)
+        rmask = rows < T
+        cmask = cols < r
+        w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
+        dw = DW + l * r * d
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, d, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < d
+            z = tl.load(Z + rows[:, None] * stride_z + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            zf = z.to(tl.float32)
+            ss += tl.sum(zf * zf, axis=1)
+            dt = tl.load(dw + cols[None, :] * d + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.dot(z.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
+        h = acc * tl.rsqrt(ss / d + eps)[:, None]
+        tl.store(A + rows[:, None] * r + cols[None, :], (h * tl.sigmoid(h)).to(A.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _gemm_up_kernel(ZSRC, X, OUT, A, UW, T, d, r, l, stride_zs, stride_x, stride_o,
+                        LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        W_F32: tl.constexpr, PREC: tl.constexpr):
+        """OUT[rows, cols] = ZSRC[rows, cols] + A[rows] U'_l[cols]^T, minus x after the last block."""
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(d, BN)
+        rows = (pid // n_tiles) * BM + tl.arange(0, BM)
+        cols = (pid % n_tiles) * BN + tl.arange(0, BN)
+        rmask = rows < T
+        cmask = cols < d
+        m2 = rmask[:, None] & cmask[None, :]
+        w_dtype = tl.float32 if W_F32 else UW.dtype.element_ty
+        uw = UW + l * d * r
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, r, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < r
+            a = tl.load(A + rows[:, None] * r + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            ut = tl.load(uw + cols[None, :] * r + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.dot(a.to(w_dtype), ut.to(w_dtype), input_precision=PREC)
+        z = tl.load(ZSRC + rows[:, None] * stride_zs + cols[None, :], mask=m2, other=0.0).to(tl.float32) + acc
+        if LAST:
+            z -= tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        tl.store(OUT + rows[:, None] * stride_o + cols[None, :], z.to(OUT.dtype.element_ty), mask=m2)
 
 
-def _block_sizes(T: int, d: int, r: int) -> tuple[int, int, int, int]:
-    BR = max(16, triton.next_power_of_2(r))
+def choose_path(T: int, d: int, r: int) -> str:
+    """The schedule for T rows (see the module docstring): few rows stream the weights across every
+    multiprocessor (cols), many rows run two tiled products per block (gemm)."""
+    return "cols" if T <= COLS_MAX_T else "gemm"
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _rows(x2, out, Dp, Up, eps, opts):
+    depth, r, d = Dp.shape
+    T = x2.shape[0]
+    BR = _pow2(r)
     # keep the (BT x BR) fp32 accumulator and activations within a register budget
     BT = 16 if BR >= 512 or T <= 16 else 32 if BR >= 256 or T <= 64 else 64
     BK = 64 if BR <= 256 else 32
-    num_warps = 8 if BT * BR >= 8192 else 4
-    return BT, BK, BR, num_warps
+    _rows_kernel[(triton.cdiv(T, BT),)](x2, out, Dp, Up, T, d, r, depth, x2.stride(0), out.stride(0), eps,
+                                       BT=BT, BK=BK, BR=BR, num_warps=8 if BT * BR >= 8192 else 4, **opts)
 
 
-def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
-    """The DLR-Net delta DLR(x) - x with folded weights (see `fold`). x: (..., d), any float dtype.
-    CUDA tensors run the compiled kernel; CPU tensors need TRITON_INTERPRET=1 set before triton is
-    first imported (Triton's interpreter: slow, for checking correctness)."""
+def _cols(x2, out, Dp, Up, eps, opts):
+    depth, r, d = Dp.shape
+    T = x2.shape[0]
+    BT = min(64, _pow2(T))
+    BK = 32 if d >= 2048 else 16  # d / BK programs per row tile: about one per multiprocessor at d = 4096
+    BR = min(_pow2(r), max(16, 8192 // BT))  # the (BT x BR) fp32 partial product within a register budget
+    H = torch.zeros(depth, T, r, dtype=torch.float32, device=x2.device)
+    SS = torch.zeros(depth, T, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(T, BT), triton.cdiv(d, BK))
+    kw = dict(BT=BT, BK=BK, BR=BR, num_warps=4, **opts)
+    _cols_first_kernel[grid](x2, out, Dp, H, SS, T, d, r, x2.stride(0), out.stride(0), **kw)
+    for l in range(depth):
+        _cols_block_kernel[grid](x2, out, Dp, Up, H, SS, T, d, r, l, depth, x2.stride(0), out.stride(0), eps, **kw)
+
+
+def _gemm(x2, out, Dp, Up, eps, opts):
+    depth, r, d = Dp.shape
+    T = x2.shape[0]
+    A = torch.empty(T, r, dtype=Dp.dtype, device=x2.device)
+    stages = 2 if Dp.dtype == torch.float32 else 3
+    BM = 128 if T >= 2048 else 64
+    BN_down = min(128, _pow2(r))
+    BK_up = min(64, _pow2(r))
+    down_grid = (triton.cdiv(T, BM) * triton.cdiv(r, BN_down),)
+    up_grid = (triton.cdiv(T, BM) * triton.cdiv(d, 128),)
+    for l in range(depth):
+        src = x2 if l == 0 else out
+        _gemm_down_kernel[down_grid](src, A, Dp, T, d, r, l, src.stride(0), eps, BM=BM, BN=BN_down, BK=64,
+                                     num_warps=8 if BM * BN_down >= 16384 else 4, num_stages=stages, **opts)
+        _gemm_up_kernel[up_grid](src, x2, out, A, Up, T, d, r, l, src.stride(0), x2.stride(0), out.stride(0),
+                                 LAST=l == depth - 1, BM=BM, BN=128, BK=BK_up, num_warps=8 if BM >= 128 else 4,
+                                 num_stages=stages, **opts)
+
+
+_RUN = {"rows": _rows, "cols": _cols, "gemm": _gemm}
+
+
+def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | None = None,
+                path: str | None = None) -> Tensor:
+    """The DLR-Net delta DLR(x) - x with folded weights (see `fold`). x: (..., d), any float dtype; `path` one
+    of PATHS (default: `choose_path`). CUDA tensors run the compiled kernels; CPU tensors need TRITON_INTERPRET=1
+    set before triton is first imported (Triton's interpreter: slow, for checking correctness)."""
     if not HAVE_TRITON:
         raise RuntimeError("the fused DLR path needs the triton package")
     shape = x.shape
     depth, r, d = Dp.shape
     x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
+    if x2.stride(-1) != 1 or x2.stride(0) != d:
         x2 = x2.contiguous()
     T = x2.shape[0]
     if out is None:
@@ -161,10 +338,11 @@ def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | Non
         raise ValueError(f"out must be a ({T}, {d}) {x2.dtype} tensor with unit last stride")
     if T == 0:
         return out.reshape(shape)
-    BT, BK, BR, num_warps = _block_sizes(T, d, r)
-    grid = (triton.cdiv(T, BT),)
     if not x2.is_cuda and not interpreting():
         raise RuntimeError("the fused DLR kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1")
-    _dlr_forward_kernel[grid](x2, out, Dp, Up, T, d, r, depth, x2.stride(0), out.stride(0), eps,
-                              BT=BT, BK=BK, BR=BR, DOT_F32=not x2.is_cuda, num_warps=num_warps)
+    path = path or choose_path(T, d, r)
+    if path not in _RUN:
+        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+    w_f32 = not x2.is_cuda or Dp.dtype == torch.float32
+    _RUN[path](x2, out, Dp, Up, eps, {"W_F32": w_f32, "PREC": "ieee" if w_f32 else "tf32"})
     return out.reshape(shape)

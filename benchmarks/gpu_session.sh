@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One lent GPU session's checks for issue 16, in priority order, each under its own time limit, so that a short
+# lease still brings back what finished: the CUDA tests, the DLR kernel benchmark (saved after every row), the
+# CLI smoke run against the CPU. Logs and results under $OUT (default runs/gpu).
+#   bash benchmarks/gpu_session.sh            # on the GPU machine, from the repository root
+set -u
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, its output to $OUT/NAME.log, tail shown
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit} s) starts at $(($(date +%s) - T0)) s"
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name exit $? at $(($(date +%s) - T0)) s"
+    tail -n "${TAIL:-20}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"
+stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -rfE tests/test_device.py tests/test_dlr_kernel.py \
+    --device cuda
+TAIL=40 stage dlr-gpu "${DLR_S:-230}" $PY benchmarks/dlr_gpu.py --json "$OUT/dlr-gpu.json" --out "$OUT/dlr-gpu.md" \
+    --deadline "${COMPILE_DEADLINE_S:-150}"
+stage gpu-smoke "${SMOKE_S:-180}" $PY benchmarks/gpu_smoke.py --device cuda --params "${SMOKE_PARAMS:-2e8}" --parallel \
+    --threads 12 --json "$OUT/gpu-smoke.json" --md "$OUT/gpu-smoke.md"
+echo "== done at $(($(date +%s) - T0)) s"
