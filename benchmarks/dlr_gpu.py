@@ -241,7 +241,6 @@ def measure_ceilings() -> dict:
     m = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     n = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     t_mm = bench(lambda: m @ n)
-    del a, b, m, n
     return {"bytes_per_s": 2 * (1 << 28) * 2 / t_copy, "flops": 2 * 8192 ** 3 / t_mm}
 
 
