@@ -40,6 +40,8 @@ def parse():
     ap.add_argument("--deadline", type=float, default=0,
                     help="seconds after the start past which no torch.compile cell is started (0: no limit); the "
                          "results are saved after every row, so a run stopped early keeps what it measured")
+    ap.add_argument("--crossover", help="comma-separated token counts: only time the fused schedules against each "
+                                       "other there (graph-replayed), to place choose_path's threshold")
     ap.add_argument("--layers", type=int, default=8, help="layers trained side by side in the phase-1 benchmark")
     return ap.parse_args()
 
@@ -192,6 +194,26 @@ def compile_cells(row: dict) -> None:
     finish_row(row)
 
 
+def crossover(shapes, tokens) -> list[dict]:
+    """Each fused schedule's graph-replayed time at each T (the threshold between them is read off this)."""
+    rows = []
+    for d, h, r, depth in shapes:
+        net = dlr(d, r, depth, fused=False)
+        with torch.no_grad():
+            Dp, Up = dlr_triton.folded_weights(net, DTYPE)
+            for T in tokens:
+                x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
+                row = {"d": d, "r": r, "depth": depth, "T": T, "auto_path": dlr_triton.choose_path(T, d, r)}
+                for path in dlr_triton.PATHS:
+                    def fused(inp, path=path):
+                        return dlr_triton.dlr_forward(inp, Dp, Up, net.eps, path=path)
+                    fused(x)
+                    timed(row, path, graphed(fused, x) if DEVICE == "cuda" else (lambda: fused(x)))
+                print("crossover", row, flush=True)
+                rows.append(row)
+    return rows
+
+
 def finish_row(row: dict) -> None:
     """Ratios, the fused schedules' best times, and the roofline: the floor is the larger of the DLR-Net's
     FLOPs over the measured matrix rate and its fewest bytes (weights once, residual read + written once per
@@ -308,6 +330,10 @@ def main():
         Path(args.json).write_text(json.dumps(res, indent=1))
         write_doc(res, Path(args.out) if not args.dry_run else Path(args.json).with_suffix(".md"))
 
+    if args.crossover:
+        res["crossover"] = crossover(shapes, [int(t) for t in args.crossover.split(",")])
+        save()
+        return
     for d, h, r, depth in shapes:
         for T in (tokens[0], tokens[-1]):
             res["correctness"].append({"d": d, "r": r, "depth": depth, "T": T, **correctness(d, r, depth, T)})
@@ -358,28 +384,31 @@ def write_doc(res: dict, path: Path) -> None:
         "any mode. Roofline: the floor (the larger of the DLR-Net's FLOPs over the measured matrix rate and its "
         "fewest bytes over the measured copy bandwidth) over the best fused time.",
         "",
-        "| shape (d, h) | r | depth | T | eager | CUDA graphs | torch.compile | fused cols | fused gemm | fused rows "
-        "| automatic | best fused vs SwiGLU | roofline fraction (bound) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape (d, h) | r | depth | T | eager | CUDA graphs | torch.compile | "
+        + " | ".join(f"fused {p}" for p in dlr_triton.PATHS)
+        + " | automatic | best fused vs SwiGLU | roofline fraction (bound) |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(dlr_triton.PATHS) + "---|---|---|",
     ]
     for row in res["inference"]:
         x = lambda k: f(row.get(k)) + ("x" if row.get(k) is not None else "")  # noqa: E731
         lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {x('ratio_eager')} | "
-                     f"{x('ratio_graph')} | {x('ratio_compile')} | {x('ratio_fused_cols')} | {x('ratio_fused_gemm')} | "
-                     f"{x('ratio_fused_rows')} | {row['auto_path']} | **{x('ratio_fused_best')}** "
+                     f"{x('ratio_graph')} | {x('ratio_compile')} | "
+                     + "".join(f"{x(f'ratio_fused_{p}')} | " for p in dlr_triton.PATHS)
+                     + f"{row['auto_path']} | **{x('ratio_fused_best')}** "
                      f"({row.get('fused_best_path', '-')}) | {f(row.get('roofline_fraction'))} "
                      f"({row.get('floor_bound', '-')}) |")
     lines += ["", "Milliseconds (median of CUDA-event timings):", "",
-              "| d, r, depth | T | SwiGLU eager / graph / compile | DLR eager / graph / compile | cols e / g | "
-              "gemm e / g | rows e / g | floor |", "|---|---|---|---|---|---|---|---|"]
+              "| d, r, depth | T | SwiGLU eager / graph / compile | DLR eager / graph / compile | "
+              + "".join(f"{p} e / g | " for p in dlr_triton.PATHS) + "floor |",
+              "|---|---|---|---|" + "---|" * len(dlr_triton.PATHS) + "---|"]
     ms = lambda row, *ks: " / ".join(f(row.get(k) * 1e3 if row.get(k) is not None else None, "{:.3f}")  # noqa: E731
                                      for k in ks)
     for row in res["inference"]:
         lines.append(f"| {row['d']}, {row['r']}, {row['depth']} | {row['T']} | "
                      f"{ms(row, 'swiglu_eager', 'swiglu_graph', 'swiglu_compile')} | "
                      f"{ms(row, 'dlr_eager', 'dlr_graph', 'dlr_compile')} | "
-                     f"{ms(row, 'fused_cols_eager', 'fused_cols_graph')} | {ms(row, 'fused_gemm_eager', 'fused_gemm_graph')} | "
-                     f"{ms(row, 'fused_rows_eager', 'fused_rows_graph')} | {ms(row, 'floor_seconds')} |")
+                     + "".join(f"{ms(row, f'fused_{p}_eager', f'fused_{p}_graph')} | " for p in dlr_triton.PATHS)
+                     + f"{ms(row, 'floor_seconds')} |")
     errors = [(row, k, v) for row in res["inference"] + res["correctness"] for k, v in row.items()
               if k.startswith("error")]
     if errors:
@@ -390,6 +419,14 @@ def write_doc(res: dict, path: Path) -> None:
         for row in res["training"]:
             lines.append(f"| {row['d']}, {row['h']} | {row['r']} | {row['depth']} | {row['T']} | {f(row['ratio'])}x | "
                          f"{f(row['ratio_fused_off'])}x |")
+    if res.get("crossover"):
+        lines += ["", "## Schedules against each other (milliseconds, CUDA-graph replay)", "",
+                  "| d, r, depth | T | " + " | ".join(dlr_triton.PATHS) + " | chosen |",
+                  "|---|---|" + "---|" * len(dlr_triton.PATHS) + "---|"]
+        for row in res["crossover"]:
+            lines.append(f"| {row['d']}, {row['r']}, {row['depth']} | {row['T']} | "
+                         + " | ".join(f(row.get(p) * 1e3 if row.get(p) else None, "{:.3f}") for p in dlr_triton.PATHS)
+                         + f" | {row['auto_path']} |")
     p = res["phase1"]
     if p:
         lines += ["", "## Phase-1 distillation throughput", "",

@@ -5,7 +5,7 @@ Per block l the network computes  z <- z + a_l U_l silu(D_l (w_l * z / rms(z))).
 weight into the down projection (D'_l = D_l diag(w_l)) and the ReZero scalar into the up projection
 (U'_l = a_l U_l), once per weight version, and uses  D_l (w_l * z / rms(z)) = (D'_l z) / rms(z):  the row scale
 1/rms(z) comes from a sum of squares taken while z streams through the down projection anyway. The result is the
-module's delta DLR(x) - x. Three schedules of that arithmetic, chosen by the number of rows T (`choose_path`):
+module's delta DLR(x) - x. Two schedules of that arithmetic, chosen by the number of rows T (`choose_path`):
 
 - **cols** (few rows, e.g. decoding): the weights are what must stream, at full bandwidth, so each block's work is
   split over the *columns* d across all multiprocessors: program j owns columns j*BK.. of the residual, adds
@@ -16,9 +16,10 @@ module's delta DLR(x) - x. Three schedules of that arithmetic, chosen by the num
   epilogues: down  A = silu((Z D'^T) / rms(Z))  (the sum of squares from the Z tiles the product loads) and up
   Z += A U'^T  (the residual add in the epilogue; the last block subtracts x). Large row tiles reuse each weight
   tile across 64-128 rows on the tensor cores; the residual moves three times per block (read, read + write).
-- **rows** (the first design, kept for measurement): one launch runs every block for a tile of rows, the residual
-  read and written once per block and the r-wide activations kept in registers, but every tile of rows streams
-  every block's weights.
+
+The first design (one launch running every block for a tile of rows, the activations kept in registers) was
+measured on an H100 and removed: every tile of rows streams every block's weights, so it lost to cols at few rows
+(10x at T = 16) and to gemm at many (2.8x at T = 8192); see docs/dlr-gpu.md.
 
 Training never uses these paths: autograd needs the stored activations, and locking must not get cheaper.
 float32 weights run their products in IEEE float32 (`input_precision="ieee"`), never silently in TF32.
@@ -37,7 +38,7 @@ try:
 except ImportError:  # the package works without triton; only the fused path is unavailable
     HAVE_TRITON = False
 
-PATHS = ("cols", "gemm", "rows")
+PATHS = ("cols", "gemm")
 COLS_MAX_T = 64  # at most this many rows: the column-split schedule; more: the two-product schedule
 
 
@@ -96,64 +97,16 @@ if HAVE_TRITON:
     # and fp32 weights must stay fp32); PREC is tl.dot's input_precision ("ieee" for fp32 operands, never TF32).
 
     @triton.jit
-    def _rows_kernel(X, OUT, DW, UW, T, d, r, depth, stride_x, stride_o, eps,
-                     BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid * BT + tl.arange(0, BT)
-        rmask = rows < T
-        rr = tl.arange(0, BR)
-        rrmask = rr < r
-        w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
-        # block 0's down projection straight from x, copying x into the running residual buffer
-        acc = tl.zeros((BT, BR), dtype=tl.float32)
-        ss = tl.zeros((BT,), dtype=tl.float32)
-        for k0 in range(0, d, BK):
-            kk = k0 + tl.arange(0, BK)
-            m2 = rmask[:, None] & (kk < d)[None, :]
-            z = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-            tl.store(OUT + rows[:, None] * stride_o + kk[None, :], z, mask=m2)
-            zf = z.to(tl.float32)
-            ss += tl.sum(zf * zf, axis=1)
-            dt = tl.load(DW + rr[None, :] * d + kk[:, None], mask=(kk < d)[:, None] & rrmask[None, :], other=0.0)
-            acc += tl.dot(z.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
-        for l in range(0, depth):
-            h = acc * tl.rsqrt(ss / d + eps)[:, None]
-            a = (h * tl.sigmoid(h)).to(w_dtype)  # (BT, BR): SiLU output, kept in registers
-            acc = tl.zeros((BT, BR), dtype=tl.float32)
-            ss = tl.zeros((BT,), dtype=tl.float32)
-            u_base = UW + l * d * r
-            d_next = DW + (l + 1) * r * d
-            for k0 in range(0, d, BK):
-                kk = k0 + tl.arange(0, BK)
-                kmask = kk < d
-                m2 = rmask[:, None] & kmask[None, :]
-                z = tl.load(OUT + rows[:, None] * stride_o + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                ut = tl.load(u_base + kk[None, :] * r + rr[:, None], mask=rrmask[:, None] & kmask[None, :],
-                             other=0.0)  # (BR, BK) = U'_l[kk, :]^T
-                z = z + tl.dot(a, ut.to(w_dtype), input_precision=PREC)
-                if l + 1 < depth:
-                    zs = z.to(OUT.dtype.element_ty)
-                    tl.store(OUT + rows[:, None] * stride_o + kk[None, :], zs, mask=m2)
-                    zf = zs.to(tl.float32)
-                    ss += tl.sum(zf * zf, axis=1)
-                    dt = tl.load(d_next + rr[None, :] * d + kk[:, None], mask=kmask[:, None] & rrmask[None, :],
-                                 other=0.0)
-                    acc += tl.dot(zs.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
-                else:
-                    x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                    tl.store(OUT + rows[:, None] * stride_o + kk[None, :], (z - x).to(OUT.dtype.element_ty),
-                             mask=m2)
-
-    @triton.jit
     def _cols_down(Z, DWl, Hn, SSn, rows, rmask, kk, kmask, d, r,
-                   BR: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
+                   BR: tl.constexpr, NRC: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
         """This program's share of a block's down projection and sum of squares, from its (BT, BK) tile Z of the
         stored residual: Hn[rows] += Z DWl[:, kk]^T and SSn[rows] += sum Z^2 (fp32 atomics)."""
         w_dtype = tl.float32 if W_F32 else DWl.dtype.element_ty
         zf = Z.to(tl.float32)
         tl.atomic_add(SSn + rows, tl.sum(zf * zf, axis=1), mask=rmask)
         zw = Z.to(w_dtype)
-        for r0 in range(0, r, BR):
+        for r0 in range(0, NRC * BR, BR):  # NRC chunks of the rank (a constexpr bound: triton 3.6's interpreter
+            # cannot take a runtime bound in a nested function)
             rr = r0 + tl.arange(0, BR)
             rrmask = rr < r
             dt = tl.load(DWl + rr[None, :] * d + kk[:, None], mask=kmask[:, None] & rrmask[None, :], other=0.0)
@@ -162,8 +115,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _cols_first_kernel(X, OUT, DW, H, SS, T, d, r, stride_x, stride_o,
-                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr,
-                           PREC: tl.constexpr):
+                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NRC: tl.constexpr,
+                           W_F32: tl.constexpr, PREC: tl.constexpr):
         """Copy x's tile into the residual and accumulate block 0's down projection (H[0], SS[0])."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         rmask = rows < T
@@ -172,12 +125,12 @@ if HAVE_TRITON:
         m2 = rmask[:, None] & kmask[None, :]
         z = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
         tl.store(OUT + rows[:, None] * stride_o + kk[None, :], z, mask=m2)
-        _cols_down(z, DW, H, SS, rows, rmask, kk, kmask, d, r, BR, W_F32, PREC)
+        _cols_down(z, DW, H, SS, rows, rmask, kk, kmask, d, r, BR, NRC, W_F32, PREC)
 
     @triton.jit
     def _cols_block_kernel(X, OUT, DW, UW, H, SS, T, d, r, l, depth, stride_x, stride_o, eps,
-                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, W_F32: tl.constexpr,
-                           PREC: tl.constexpr):
+                           BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, NRC: tl.constexpr,
+                           W_F32: tl.constexpr, PREC: tl.constexpr):
         """Block l on this program's columns: z[:, kk] += U'_l[kk] silu(H[l] / rms) and, unless l is the last
         block, block l+1's down projection share (H[l+1], SS[l+1]); the last block stores z - x."""
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -201,7 +154,7 @@ if HAVE_TRITON:
             zs = z.to(OUT.dtype.element_ty)
             tl.store(OUT + rows[:, None] * stride_o + kk[None, :], zs, mask=m2)
             _cols_down(zs, DW + (l + 1) * r * d, H + (l + 1) * T * r, SS + (l + 1) * T, rows, rmask, kk, kmask,
-                       d, r, BR, W_F32, PREC)
+                       d, r, BR, NRC, W_F32, PREC)
         else:
             x = tl.load(X + rows[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             tl.store(OUT + rows[:, None] * stride_o + kk[None, :], (z - x).to(OUT.dtype.element_ty), mask=m2)
@@ -271,17 +224,6 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _rows(x2, out, Dp, Up, eps, opts):
-    depth, r, d = Dp.shape
-    T = x2.shape[0]
-    BR = _pow2(r)
-    # keep the (BT x BR) fp32 accumulator and activations within a register budget
-    BT = 16 if BR >= 512 or T <= 16 else 32 if BR >= 256 or T <= 64 else 64
-    BK = 64 if BR <= 256 else 32
-    _rows_kernel[(triton.cdiv(T, BT),)](x2, out, Dp, Up, T, d, r, depth, x2.stride(0), out.stride(0), eps,
-                                       BT=BT, BK=BK, BR=BR, num_warps=8 if BT * BR >= 8192 else 4, **opts)
-
-
 def _cols(x2, out, Dp, Up, eps, opts):
     depth, r, d = Dp.shape
     T = x2.shape[0]
@@ -291,7 +233,7 @@ def _cols(x2, out, Dp, Up, eps, opts):
     H = torch.zeros(depth, T, r, dtype=torch.float32, device=x2.device)
     SS = torch.zeros(depth, T, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(T, BT), triton.cdiv(d, BK))
-    kw = dict(BT=BT, BK=BK, BR=BR, num_warps=4, **opts)
+    kw = dict(BT=BT, BK=BK, BR=BR, NRC=triton.cdiv(r, BR), num_warps=4, **opts)
     _cols_first_kernel[grid](x2, out, Dp, H, SS, T, d, r, x2.stride(0), out.stride(0), **kw)
     for l in range(depth):
         _cols_block_kernel[grid](x2, out, Dp, Up, H, SS, T, d, r, l, depth, x2.stride(0), out.stride(0), eps, **kw)
@@ -316,7 +258,7 @@ def _gemm(x2, out, Dp, Up, eps, opts):
                                  num_stages=stages, **opts)
 
 
-_RUN = {"rows": _rows, "cols": _cols, "gemm": _gemm}
+_RUN = {"cols": _cols, "gemm": _gemm}
 
 
 def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | None = None,

@@ -56,7 +56,7 @@ def mlp_directions(model: nn.Module, layer: int, n_rows: int, generator: torch.G
     if w is not None:
         order = w.down.float().norm(dim=0).argsort(descending=True)  # neurons by the size of what they write
         parts = ([w.gate.float()[order]] if w.gate is not None else []) + [w.up.float()[order]]
-        rows = torch.cat(parts)
+        rows = torch.cat(parts).cpu()  # the directions live on the CPU, whatever the model's device
         norm = site.pre_norm
         scale = getattr(norm, "weight", None) if norm is not None else None
         if isinstance(scale, Tensor) and scale.shape == (d,):
