@@ -39,7 +39,8 @@ except ImportError:  # the package works without triton; only the fused path is 
     HAVE_TRITON = False
 
 PATHS = ("cols", "gemm")
-COLS_MAX_T = 64  # at most this many rows: the column-split schedule; more: the two-product schedule
+COLS_MAX_T = 16  # at most this many rows: cols; more: gemm. Measured on an H100 (docs/dlr-gpu.md, "Schedules"):
+# cols fastest at T = 16 on all three shapes, gemm at T >= 64; at T = 32 it depends on the shape
 
 
 def interpreting() -> bool:
