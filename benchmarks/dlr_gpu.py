@@ -1,9 +1,12 @@
 """DLR-Net vs the SwiGLU it replaces on a GPU: inference time in eager PyTorch, PyTorch + CUDA graphs,
-torch.compile and our fused Triton kernel; the training-step ratio; phase-1 distillation throughput batched
-across layers vs one layer at a time; correctness of the fused kernel at real shapes. Writes docs/dlr-gpu.md.
+torch.compile and each schedule of our fused Triton kernel, against the card's measured ceilings (roofline);
+the training-step ratio; phase-1 distillation throughput batched across layers vs one layer at a time;
+correctness of every schedule at real shapes. Writes --json and a Markdown table (--out), after every row;
+docs/dlr-gpu.md quotes a run (docs/results/dlr-gpu-h100.json).
 
     python benchmarks/dlr_gpu.py                      # on a CUDA machine (H100 / H200), bf16
     python benchmarks/dlr_gpu.py --dry-run            # tiny shapes on the CPU (fused path via TRITON_INTERPRET=1)
+    python benchmarks/dlr_gpu.py --crossover 16,32,64,128,256,512   # the schedules against each other only
 
 Ratios are DLR / SwiGLU of the same variant, measured in one run, medians of CUDA-event timings
 (triton.testing.do_bench) after warm-up, on fresh random bf16 inputs.

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -73,16 +74,20 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
     ]
 
 
-def start(argv: list[str], device: str, threads: int) -> tuple[subprocess.Popen, float]:
+def start(argv: list[str], device: str, threads: int) -> Future:
+    """The command running in a thread of its own; its result (exit status, its own wall time, log tail)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "mlpsurgery", *argv, "--device", device, "--dtype", "bfloat16", "--json", "--quiet"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), time.perf_counter()
+
+    def run():
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return r.returncode, time.perf_counter() - t0, r.stdout[-2000:]
+
+    return POOL.submit(run)
 
 
-def finish(job: tuple[subprocess.Popen, float]) -> tuple[int, float, str]:
-    proc, t0 = job
-    log, _ = proc.communicate()
-    return proc.returncode, time.perf_counter() - t0, log[-2000:]
+POOL = ThreadPoolExecutor(max_workers=2)
 
 
 def logits(folder: Path, probe: torch.Tensor) -> torch.Tensor:
@@ -171,9 +176,9 @@ def main() -> int:
                 (root / key).mkdir(exist_ok=True)
                 jobs[label] = start(todo[key][j][1], dev, args.threads)
                 if not args.parallel:
-                    jobs[label] = finish(jobs[label])
+                    jobs[label].result()
             for label, job in jobs.items():
-                code, secs, log = job if not args.parallel else finish(job)
+                code, secs, log = job.result()
                 row[f"{label}_status"], row[f"{label}_seconds"] = code, secs
                 if code:
                     row[f"{label}_log"] = log
