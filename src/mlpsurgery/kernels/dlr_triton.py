@@ -279,6 +279,8 @@ def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | Non
         out = torch.empty_like(x2)
     elif out.shape != x2.shape or out.dtype != x2.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a ({T}, {d}) {x2.dtype} tensor with unit last stride")
+    elif out.data_ptr() == x2.data_ptr():  # the last block subtracts x, which the first would have overwritten
+        raise ValueError("out must not share memory with x")
     if T == 0:
         return out.reshape(shape)
     if not x2.is_cuda and not interpreting():
