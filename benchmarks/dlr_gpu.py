@@ -127,7 +127,7 @@ def correctness(d: int, r: int, depth: int, T: int) -> dict:
                 poison = torch.full_like(x, float("nan"))
                 fused[path] = dlr_triton.dlr_forward(x, Dp, Up, net.eps, out=poison, path=path).double()
             except Exception as e:  # noqa: BLE001 - a schedule that fails to compile is reported, not fatal
-                out[f"error_{path}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                out[f"error_{path}"] = failure(e)
         del Dp, Up
         net._folded = None
         ref = net.double()._delta(x.double())
@@ -139,12 +139,22 @@ def correctness(d: int, r: int, depth: int, T: int) -> dict:
     return out
 
 
+def failure(e: Exception) -> str:
+    """How a cell that failed (a schedule that does not compile, a capture that breaks) is recorded."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def schedule(Dp, Up, eps: float, path: str):
+    """x -> the fused delta through one named schedule, with folded weights."""
+    return lambda x: dlr_triton.dlr_forward(x, Dp, Up, eps, path=path)
+
+
 def timed(row: dict, key: str, fn) -> None:
     """row[key] = median seconds of fn(); a failure is recorded in the row instead."""
     try:
         row[key] = bench(fn)
     except Exception as e:  # noqa: BLE001
-        row[f"error_{key}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row[f"error_{key}"] = failure(e)
 
 
 def inference_row(d: int, h: int, r: int, depth: int, T: int) -> dict:
@@ -161,19 +171,18 @@ def inference_row(d: int, h: int, r: int, depth: int, T: int) -> dict:
             timed(row, "swiglu_graph", gs)
             timed(row, "dlr_graph", gd)
         for path in dlr_triton.PATHS:
-            def fused(inp, path=path):
-                return dlr_triton.dlr_forward(inp, Dp, Up, net.eps, path=path)
+            fused = schedule(Dp, Up, net.eps, path)
             try:
                 fused(x)  # compile the kernels outside the timing
             except Exception as e:  # noqa: BLE001
-                row[f"error_fused_{path}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row[f"error_fused_{path}"] = failure(e)
                 continue
             timed(row, f"fused_{path}_eager", lambda: fused(x))
             if DEVICE == "cuda":
                 try:
                     timed(row, f"fused_{path}_graph", graphed(fused, x))
                 except Exception as e:  # noqa: BLE001
-                    row[f"error_fused_{path}_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    row[f"error_fused_{path}_graph"] = failure(e)
     finish_row(row)
     return row
 
@@ -189,7 +198,7 @@ def compile_cells(row: dict) -> None:
         try:
             cm(x), cd(x)
         except Exception as e:  # noqa: BLE001
-            row["error_compile"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["error_compile"] = failure(e)
             return
         row["compile_seconds"] = time.perf_counter() - t0
         timed(row, "swiglu_compile", lambda: cm(x))
@@ -208,8 +217,7 @@ def crossover(shapes, tokens) -> list[dict]:
                 x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
                 row = {"d": d, "r": r, "depth": depth, "T": T, "auto_path": dlr_triton.choose_path(T, d, r)}
                 for path in dlr_triton.PATHS:
-                    def fused(inp, path=path):
-                        return dlr_triton.dlr_forward(inp, Dp, Up, net.eps, path=path)
+                    fused = schedule(Dp, Up, net.eps, path)
                     fused(x)
                     timed(row, path, graphed(fused, x) if DEVICE == "cuda" else (lambda: fused(x)))
                 print("crossover", row, flush=True)

@@ -3,6 +3,8 @@ Without --device these tests skip (CI has no GPU); `--device cpu` runs them here
 tests themselves are known to run. Tolerances: float32 within 1e-4 relative (TF32, which an fp32 matmul must not
 silently use, is off by about 1e-3 on these shapes), bfloat16 within a few bf16 ulps of the output's norm."""
 
+import copy
+
 import pytest
 import torch
 
@@ -56,9 +58,7 @@ def test_dlr_net_in_float32_does_not_run_in_tf32(device, T):
         got = net.float().to(device)(xd)  # under no_grad: the fused kernel where there is one
         paths = {}
         if k.HAVE_TRITON and k.available(xd):
-            twin = DLRNet(256, 64, 8).to(device)
-            twin.load_state_dict(net.state_dict())
-            torch_bf16 = _rel(twin.to(torch.bfloat16)._delta(xd.to(torch.bfloat16)), ref)
+            torch_bf16 = _rel(copy.deepcopy(net).to(torch.bfloat16)._delta(xd.to(torch.bfloat16)), ref)
             for dtype in (torch.float32, torch.bfloat16):
                 Dp, Up = k.fold(net.D, net.U, net.norm, net.alpha, dtype)
                 for p in k.PATHS:

@@ -161,17 +161,22 @@ if HAVE_TRITON:
             tl.store(OUT + rows[:, None] * stride_o + kk[None, :], (z - x).to(OUT.dtype.element_ty), mask=m2)
 
     @triton.jit
+    def _out_tile(T, n, BM: tl.constexpr, BN: tl.constexpr):
+        """This program's (BM, BN) tile of a (T, n) output: its rows, columns and their masks. Programs of one row
+        tile are adjacent in launch order, so they share that row tile's input in L2."""
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(n, BN)
+        rows = (pid // n_tiles) * BM + tl.arange(0, BM)
+        cols = (pid % n_tiles) * BN + tl.arange(0, BN)
+        return rows, cols, rows < T, cols < n
+
+    @triton.jit
     def _gemm_down_kernel(Z, A, DW, T, d, r, l, stride_z, eps,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_F32: tl.constexpr,
                           PREC: tl.constexpr):
         """A[rows, cols] = silu((Z D'_l^T)[rows, cols] / rms(Z[rows])), the sum of squares taken from the Z tiles
-        the product loads. Programs of one row tile are adjacent, so they share its Z tiles in L2."""
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(r, BN)
-        rows = (pid // n_tiles) * BM + tl.arange(0, BM)
-        cols = (pid % n_tiles) * BN + tl.arange(0, BN)
-        rmask = rows < T
-        cmask = cols < r
+        the product loads."""
+        rows, cols, rmask, cmask = _out_tile(T, r, BM, BN)
         w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
         dw = DW + l * r * d
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -193,12 +198,7 @@ if HAVE_TRITON:
                         LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         W_F32: tl.constexpr, PREC: tl.constexpr):
         """OUT[rows, cols] = ZSRC[rows, cols] + A[rows] U'_l[cols]^T, minus x after the last block."""
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(d, BN)
-        rows = (pid // n_tiles) * BM + tl.arange(0, BM)
-        cols = (pid % n_tiles) * BN + tl.arange(0, BN)
-        rmask = rows < T
-        cmask = cols < d
+        rows, cols, rmask, cmask = _out_tile(T, d, BM, BN)
         m2 = rmask[:, None] & cmask[None, :]
         w_dtype = tl.float32 if W_F32 else UW.dtype.element_ty
         uw = UW + l * d * r
