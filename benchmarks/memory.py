@@ -159,7 +159,7 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
         # DLR-Lock's phase 1 (capture, closed-form start, steps, on-policy steps; no phase 2) at a small budget: the
         # whole-model run trains every layer's net side by side, the layer-by-layer one a layer's net at a time
         ("lock dlr phase 1 only (16 blocks x 128 tokens; 4 + 2 steps)", ["lock", "dlr", model, *d, *DLR_SMALL,
-                                                                            "--out", str(w / "dlr")]),
+                                                                            "--no-layerwise", "--out", str(w / "dlr")]),
         ("lock dlr phase 1 only (16 blocks x 128 tokens; 4 + 2 steps) --layerwise",
          ["lock", "dlr", model, *d, *DLR_SMALL, "--layerwise", "--out", str(w / "dlr-lw")]),
         # layer-by-layer commands chained: the subnet folder above (mlpsurgery's, with narrowed layers) read back

@@ -193,13 +193,75 @@ def test_cli_lock_dlr_layerwise_and_its_refusals(tmp_path, capsys):
     assert res["layerwise"] and res["report"]["layers"] == [0, 1, 2] and res["workdir"] is None
     assert not (tmp_path / "out.work").exists()  # ours, removed on success
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
-    # refused, exit 2, nothing written: phase 2, --max-memory without --layerwise, a model without files
-    assert main(["lock", "dlr", *common, "--layerwise", "--out", str(tmp_path / "x1")]) == 2
-    assert main(["lock", "dlr", *common, "--phase2-steps", "0", "--max-memory", "1", "--out", str(tmp_path / "x2")]) == 2
+    # refused, exit 2, nothing written: phase 2's top-k at the vocabulary (checked before phase 1 runs),
+    # --max-memory without the layer-by-layer mode, a model without files
+    assert main(["lock", "dlr", *common, "--layerwise", "--top-k", "100000", "--out", str(tmp_path / "x1")]) == 2
+    assert main(["lock", "dlr", *common, "--phase2-steps", "0", "--no-layerwise", "--max-memory", "1",
+                 "--out", str(tmp_path / "x2")]) == 2
     assert main(["lock", "dlr", "tiny:llama", "--layerwise", "--phase2-steps", "0", "--out", str(tmp_path / "x3")]) == 2
-    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x1.work", "x2.work", "x3.work"))
+    assert main(["lock", "dlr", *common, "--layerwise", "--device", "cuda", "--out", str(tmp_path / "x4")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work", "x2.work", "x3.work",
+                                                      "x4.work"))
     err = capsys.readouterr().err
-    assert "--phase2-steps 0" in err and "add --layerwise" in err
+    assert "vocabulary size 260" in err and "add --layerwise" in err and "no weight files" in err
+    assert "phase 1 on the CPU" in err
+
+
+def test_cli_lock_dlr_by_default_runs_phase1_layer_by_layer_then_phase2_as_the_two_commands_do(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """`lock dlr FOLDER` (one process): phase 1 layer by layer, then phase 2 on the whole locked model, in one
+    call -- the same folder as `--layerwise --phase2-steps 0` followed by `--phase2-only`; stopped in phase 2, the
+    rerun reuses the finished layers (none distilled again) and ends at the same folder; --no-layerwise is the
+    whole-model mode."""
+    import mlpsurgery.methods.dlr_lock as dl
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    byte_tokenizer().save_pretrained(src)
+    small = [str(src), "--rank", "4", "--depth", "3", "--calib-blocks", "8", "--block-len", "16", "--phase1-steps",
+             "4", "--phase1-tokens", "32", "--onpolicy-steps", "2", "--start-tokens", "64", "--no-compile", "--quiet"]
+    p2 = ["--phase2-steps", "4", "--phase2-blocks", "6", "--phase2-batch", "2", "--top-k", "8", "--eval-tokens", "256",
+          "--second-corpus", "", "--json"]
+    assert main(["lock", "dlr", *small, "--phase2-steps", "0", "--layerwise", "--out", str(tmp_path / "p1")]) == 0
+    assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--original", str(src), *p2[:-5],
+                 "--block-len", "16", "--eval-tokens", "0", "--quiet", "--out", str(tmp_path / "two")]) == 0
+    capsys.readouterr()
+
+    real, calls = dl.continue_phase2, []
+
+    def interrupt(original):
+        raise KeyboardInterrupt
+
+    def stop(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:  # the first call stops in phase 2, once its teacher targets are written
+            kw = {**kw, "on_teacher": interrupt}
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dl, "continue_phase2", stop)
+    assert main(["lock", "dlr", *small, *p2, "--out", str(tmp_path / "one")]) == 130
+    capsys.readouterr()
+    assert (tmp_path / "one.work" / "phase1").is_dir() and not (tmp_path / "one").exists()
+    distilled = []
+    monkeypatch.setattr(lw, "phase1", lambda *a, **kw: distilled.append(1))  # the rerun distils no layer again
+    assert main(["lock", "dlr", *small, *p2, "--out", str(tmp_path / "one")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert not distilled and len(calls) == 2
+    a, b = load(tmp_path / "one").state_dict(), load(tmp_path / "two").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert res["layerwise"] and not res["phase2_only"] and res["report"]["layers"] == [0, 1]
+    assert res["report"]["phase1_relative_error"] and res["report"]["phase2_history"]
+    assert set(res["perplexity"]) == {"original", "phase1", "phase2"} and res["heldout_ratio"] > 0
+    assert res["seconds"] == pytest.approx(res["phase1_seconds"] + res["phase2_seconds"])
+    assert not (tmp_path / "one.work").exists() and res["workdir"] is None  # ours, removed on success
+    history = json.loads((tmp_path / "one" / "surgery.json").read_text())
+    assert [h["method"] for h in history["history"]][-2:] == ["dlr_lock", "dlr_lock"]
+
+    monkeypatch.undo()
+    assert main(["lock", "dlr", *small, *p2, "--no-layerwise", "--out", str(tmp_path / "whole")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert not res.get("layerwise") and res["report"]["phase2_history"]
 
 
 # ---- phase 2 alone on a locked folder (lock.continue_phase2, `lock dlr --phase2-only`) ----------------------

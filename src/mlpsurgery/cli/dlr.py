@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import table
-from . import command, draw, integer, join_ranks, model_name, number, stage
+from . import command, device_of, draw, integer, join_ranks, model_name, number, stage
 from .core import MODEL_HELP
 
 
@@ -32,12 +32,13 @@ def run_lock(args) -> dict:
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     inputs = [args.model, args.data, args.second_corpus, args.original]
-    if args.max_memory is not None and not args.layerwise:
+    layerwise = _layerwise(args)
+    if args.max_memory is not None and not layerwise:
         raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
     if args.original and not args.phase2_only:
         raise MLPSurgeryError("--original names the model a locked folder was made from, for --phase2-only: add "
                               "--phase2-only, or drop --original")
-    if args.layerwise:
+    if layerwise:
         if args.phase2_only:
             raise MLPSurgeryError("--phase2-only trains the whole locked model (one process, or sharded under "
                                   "torchrun); drop --layerwise")
@@ -82,9 +83,7 @@ def run_lock(args) -> dict:
         cfg.validate()
         check_ranks(plan(model, cfg)[0])  # the layer selection and the MLPs are checked before anything is written
     check_context(model, cfg.block_len)
-    vocab = getattr(model.config, "vocab_size", None)
-    if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
-        raise MLPSurgeryError(f"--top-k {cfg.top_k} must be below the vocabulary size {vocab}")
+    _check_top_k(model, cfg)
     data = args.data or DEFAULT_DATA
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
@@ -164,6 +163,24 @@ def _rank_from_depth(args, cfg, model) -> None:
         cfg.rank = rank_for_depth(budget, find_sites(model).config.hidden_size, args.depth)
 
 
+def _layerwise(args) -> bool:
+    """Phase 1 layer by layer? As --layerwise / --no-layerwise say; by default wherever it can run -- one process
+    (torchrun splits the whole model's phase 1 by layer instead), on the CPU (the layer-by-layer reader works there),
+    a model with weight files (not tiny:ARCH), not --phase2-only -- since there it is the better lock in less time
+    and memory (docs/dlr-lock.md, "Layer by layer")."""
+    from .. import parallel
+
+    if args.layerwise:
+        if args.device not in ("auto", "cpu"):
+            raise MLPSurgeryError(f"--layerwise runs phase 1 on the CPU (one layer read from the files at a time), not "
+                                  f"on {args.device}: drop --device, or add --no-layerwise")
+        return True
+    if args.layerwise is not None:
+        return False
+    return not (parallel.launched() or args.phase2_only or str(args.model or "").startswith("tiny:")
+                or device_of(args) != "cpu")
+
+
 def _calibration(corpus, cfg):
     calib = corpus.blocks("train", cfg.block_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
     if len(calib) < 2:
@@ -173,46 +190,76 @@ def _calibration(corpus, cfg):
 
 
 def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
-    """`lock dlr --layerwise`: capture and module-wise distillation one decoder layer at a time, read from the
-    checkpoint's files (methods/dlr_lock/layerwise.py); no phase 2, no perplexity (both need the whole model)."""
+    """`lock dlr --layerwise` (the default in one process): capture and module-wise distillation one decoder layer at
+    a time, read from the checkpoint's files (methods/dlr_lock/layerwise.py); then, unless --phase2-steps 0, phase 2
+    on the whole locked model as --phase2-only runs it (it trains every layer at once), with the perplexity of the
+    original, of phase 1 and of phase 2. In that case the work folder holds three resumable parts: `layers/` (the
+    per-layer stages), `phase1/` (the phase-1 lock, a folder `lock dlr` writes) and `phase2/` (phase 2's stages)."""
+    from dataclasses import replace
+
     from .. import parallel
     from ..data import load_corpus
-    from ..files import check_state, remove_ours
+    from ..files import check_state, claim, remove_ours
     from ..io import check_out
     from ..measure.memory import peak_rss
     from ..methods.dlr_lock import plan
     from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
-    if parallel.world()[1] > 1:
+    if parallel.world()[1] > 1 or parallel.launched():
         raise MLPSurgeryError("--layerwise runs as one process (it reads one layer at a time): drop torchrun, or drop "
                               "--layerwise")
     cfg = _config(args)
-    check_layerwise(cfg)
+    staged = cfg.phase2_steps > 0  # phase 2 follows on the whole locked model
+    cfg.validate()
     check_out(out, args.overwrite, inputs=inputs + [work])
     check_state(work, inputs=inputs + [out], what="work")
     folder, source, name = checkpoint_folder(args.model)
     tok = _tokenizer(folder)
     if tok is None:
         raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer files")
+    layers_work, p1_out = (work / "layers", work / "phase1") if staged else (work, out)
     stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-    stream = open_stream(folder, work, dtype=working_dtype(), max_memory_gb=args.max_memory)
+    stream = open_stream(folder, layers_work, dtype=working_dtype(), max_memory_gb=args.max_memory)
     _rank_from_depth(args, cfg, stream.model)
-    cfg.validate()
+    one = replace(cfg, phase2_steps=0)  # what the layer-by-layer part runs (and its work records)
+    check_layerwise(one)
     plan(stream.model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
     check_context(stream.model, cfg.block_len)
+    if staged:  # phase 2's own settings, checked before phase 1 spends its hours
+        _check_top_k(stream.model, cfg)
+        claim(work, "dlr-work-staged", {"model": stream.resident_fingerprint()}, inputs=inputs + [out])
     data = args.data or DEFAULT_DATA
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
     calib = _calibration(corpus, cfg)
-    res = lock_layerwise(stream, out, cfg, calib, work, tokenizer=tok, overwrite=args.overwrite, inputs=inputs,
+    res = lock_layerwise(stream, p1_out, one, calib, layers_work, tokenizer=tok, inputs=inputs + [out],
+                         overwrite=args.overwrite or staged,  # (staged: the phase-1 folder is ours, in the work folder)
                          source_name=name, progress=not args.quiet, data_name=corpus.source)
+    del stream
     kept = args.keep_work or args.workdir is not None
+    res = {**res, "model": source, "world_size": 1, "config": cfg.__dict__, "perplexity": {}, "data": corpus.source,
+           "heldout": corpus.heldout_names, "second_corpus": None}
+    if staged:
+        stage(args, "phase 2 on the whole locked model")
+        p2 = run_lock(argparse.Namespace(**{**vars(args), "model": str(p1_out), "original": args.model,
+                                            "phase2_only": True, "layerwise": False, "max_memory": None,
+                                            "workdir": str(work / "phase2")}))
+        rep = {**res["report"], **{k: v for k, v in p2["report"].items() if k.startswith("phase2")}}
+        res = {**p2, **{k: res[k] for k in ("model", "layerwise", "dtype", "activations_on_disk")}, "report": rep,
+               "config": cfg.__dict__, "phase2_only": False, "phase1_seconds": res["seconds"],
+               "phase2_seconds": p2["seconds"], "seconds": res["seconds"] + p2["seconds"]}
     if not kept:
         remove_ours(work)
-    return {**res, "model": source, "world_size": 1, "peak_rss_bytes": peak_rss(), "config": cfg.__dict__,
-            "perplexity": {}, "data": corpus.source, "heldout": corpus.heldout_names,
-            "second_corpus": None, "workdir": str(work) if kept else None}
+    return {**res, "peak_rss_bytes": peak_rss(), "workdir": str(work) if kept else None}
+
+
+def _check_top_k(model, cfg) -> None:
+    from ..measure.perplexity import is_causal_lm
+
+    vocab = getattr(model.config, "vocab_size", None)
+    if is_causal_lm(model) and vocab and cfg.top_k >= vocab:
+        raise MLPSurgeryError(f"--top-k {cfg.top_k} must be below the vocabulary size {vocab}")
 
 
 def render_lock(r: dict) -> str:
@@ -243,9 +290,14 @@ def render_lock(r: dict) -> str:
         lines += ["", "per-layer relative error on held-out captured tokens (1.0 = identity"
                   + (f"; on-policy: on the inputs {producers} produce" if oa else "") + "):", table(errs)]
     if r.get("layerwise"):
-        lines.append(f"layer by layer ({r['dtype']}; activations {'on disk' if r['activations_on_disk'] else 'in RAM'})"
-                     f": phase 1 only, each layer on the inputs the locked layers before it produce; measure the "
-                     f"perplexity with `mlpsurgery eval ppl {r['out']}`")
+        how = (f"layer by layer ({r['dtype']}; activations {'on disk' if r['activations_on_disk'] else 'in RAM'}): "
+               "phase 1 one layer at a time, each layer on the inputs the locked layers before it produce")
+        if "phase2_seconds" in r:
+            lines.append(f"{how} ({r['phase1_seconds']:.0f} s); then phase 2 on the whole locked model "
+                         f"({r['phase2_seconds']:.0f} s)")
+        else:
+            lines.append(f"{how}; no phase 2 (--phase2-steps 0): measure the perplexity with `mlpsurgery eval ppl "
+                         f"{r['out']}`")
     if r.get("workdir"):
         lines.append(f"work folder kept: {r['workdir']} (remove it when you no longer need to resume or rerun)")
     return "\n".join(lines)
@@ -373,7 +425,8 @@ def register(sub, groups) -> None:
     from ..methods.dlr_lock import PHASE1_LOSSES, PHASE1_STARTS, DLRConfig
 
     p = command(groups["lock"], "dlr", run_lock, render_lock,
-                "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function")
+                "DLR-Lock: replace every MLP by a deep low-rank residual net distilled to the same function",
+                ranks=True)
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="folder for the locked model (mlpsurgery format)")
     p.add_argument("--rank", type=integer(1), help="bottleneck rank r of each block (64 unless --depth is given)")
@@ -425,10 +478,12 @@ def register(sub, groups) -> None:
                                      "you name is kept)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--layerwise", action="store_true",
-                   help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files: "
-                        "memory of one layer and its DLR-Net, not the model; each layer also on the inputs the "
-                        "locked layers before it produce (on-policy); no phase 2 (add --phase2-steps 0)")
+    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files "
+                        "(memory of one layer and its DLR-Net, not the model; each layer on the inputs the locked "
+                        "layers before it produce) on the CPU, then phase 2 on the whole locked model; the default "
+                        "in one process on the CPU for a model with weight files. --no-layerwise: every layer's net "
+                        "side by side (the mode torchrun splits by layer, and the default on a GPU)")
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")
@@ -440,7 +495,8 @@ def register(sub, groups) -> None:
     p.add_argument("--seed", type=integer(0), default=0)
 
     p = command(groups["attack"], "dlr", run_attack, render_attack,
-                "the adaptive attacker: fine-tuning (3 LRs), checkpointing, LoRA, frozen DLR, reverse distillation")
+                "the adaptive attacker: fine-tuning (3 LRs), checkpointing, LoRA, frozen DLR, reverse distillation",
+                ranks=True)
     p.add_argument("locked", help="a folder written by `mlpsurgery lock dlr`")
     p.add_argument("--original", help=f"the original model (default: the one recorded in the locked folder); {MODEL_HELP}")
     p.add_argument("--out", required=True, help="folder for per-attack results, the table and the plot")

@@ -61,9 +61,9 @@ def check_layerwise(cfg: DLRConfig) -> None:
     """Refuse what the layer-by-layer mode does not do, naming the way out."""
     cfg.validate()
     if cfg.phase2_steps:
-        raise MLPSurgeryError("--layerwise distils each MLP on its own, one layer in memory at a time; phase 2 trains "
-                              "the whole model end to end: add --phase2-steps 0 (for phase 2, run `lock dlr` on the "
-                              "whole model, or under torchrun), or drop --layerwise")
+        raise MLPSurgeryError("lock_layerwise distils each MLP on its own, one layer in memory at a time; phase 2 "
+                              "trains the whole model end to end: set phase2_steps=0 and run continue_phase2 on the "
+                              "saved folder (what `lock dlr --layerwise` does)")
 
 
 def _chain(h: str, *parts) -> str:
