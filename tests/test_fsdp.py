@@ -277,6 +277,19 @@ def test_bad_launches_are_refused_on_every_rank(tmp_path, argv_extra, message):
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("argv", [
+    ["prune", "tiny:llama", "--method", "magnitude", "--sparsity", "0.5"],
+    ["compare", "tiny:llama", "--methods", "fusion", "--budgets", "0.5", "--recover-steps", "2"],
+    ["lock", "key", "tiny:llama", "--ratio", "0.05", "--key", "k.key"],
+])
+def test_a_one_process_command_under_torchrun_is_refused_on_every_rank(tmp_path, argv):
+    """Each rank would run the whole command and write the same --out: refused, exit 2, nothing written."""
+    out = str(tmp_path / "out")
+    for code, log in ranks(tmp_path, [*argv, "--out", out]):
+        assert code == 2 and "runs as one process" in log and "without torchrun" in log, log[-2000:]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))]
+
+
 # ---- fit itself: step-by-step equality, and a stop under two ranks resumed in one process ---------------
 
 STEPS, BATCH = 6, 4

@@ -84,11 +84,18 @@ def common() -> argparse.ArgumentParser:
     return p
 
 
-def command(sub, name: str, run: Callable, render: Callable[[dict], str], help: str, **kw) -> argparse.ArgumentParser:
-    """Add a subcommand whose handler returns a JSON-able dict and whose renderer turns it into text."""
+def command(sub, name: str, run: Callable, render: Callable[[dict], str], help: str, ranks: bool = False,
+            **kw) -> argparse.ArgumentParser:
+    """Add a subcommand whose handler returns a JSON-able dict and whose renderer turns it into text. ranks: it
+    works over several processes under torchrun (the others are refused there: each rank would run the whole
+    command and write the same --out)."""
     p = sub.add_parser(name, help=help, description=help, parents=[common()], **kw)
-    p.set_defaults(run=run, render=render)
+    p.set_defaults(run=run, render=render, over_ranks=ranks)  # (not `ranks`: nest's --ranks)
     return p
+
+
+# the commands that work over several processes (command(..., ranks=True)); named in the refusal of the others
+RANKED = "nest, lock dlr, attack dlr, fuse and twist train"
 
 
 def progress(args) -> bool:
@@ -232,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     command = _command_words(parser, argv)
+    from .. import parallel
     from ..models import default_dtype
+
+    if parallel.launched() and not args.over_ranks:
+        return _fail(f"`{command}` runs as one process; under torchrun every rank would run it whole and write the "
+                     f"same output: launch it without torchrun ({RANKED} use several processes)", 2, args.json,
+                     command)
 
     try:
         with default_dtype(getattr(args, "dtype", None)):

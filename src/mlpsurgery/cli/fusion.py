@@ -201,7 +201,7 @@ def register(sub, groups) -> None:
     from ..methods.fusion import METHODS
 
     p = command(sub, "fuse", run_fuse, render_fuse,
-                "compress MLPs by clustering neurons (MLP Fusion), or with a baseline at the same width")
+                "compress MLPs by clustering neurons (MLP Fusion), or with a baseline at the same width", ranks=True)
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="output folder (mlpsurgery save format; `mlpsurgery export` after "
                    "fine-tuning folds P into a plain transformers model)")

@@ -190,7 +190,7 @@ USAGE = """mlpsurgery nest [MODEL] --out DIR [--max-rank R] [--modules mlp|mlp+a
 def register(sub, groups) -> None:
     p = command(sub, "nest", run_nest, render,
                 "Nested Subspace Networks: nest a model's MLPs (train them for every rank), fix a rank, sweep ranks",
-                usage=USAGE, epilog="MODEL: " + MODEL_HELP)
+                usage=USAGE, epilog="MODEL: " + MODEL_HELP, ranks=True)
     p.set_defaults(nest_parser=p)
     p.add_argument("words", nargs="*", metavar="[MODEL] | rank DIR | sweep DIR",
                    help="MODEL to nest and train (default smollm2); `rank DIR` fixes the rank of a nested folder; "

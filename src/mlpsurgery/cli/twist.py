@@ -282,7 +282,7 @@ def register(sub, groups) -> None:
     g = groups["twist"]
     p = command(g, "train", run_train, render_train,
                 "train with TwIST (independent subnets; masked in one process, true / hybrid under torchrun) "
-                "or the data-parallel baseline (--mode dp)")
+                "or the data-parallel baseline (--mode dp)", ranks=True)
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="folder for the trained (full, dense) model")
     p.add_argument("--workers", type=integer(1), default=4, help="S: subnets per round; processes under torchrun (4)")
