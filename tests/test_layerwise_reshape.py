@@ -75,6 +75,42 @@ def test_layerwise_fusion_reads_bfloat16_shards(tmp_path):
     assert lw["dtype"] == "bfloat16" and lw["layers"] == [1, 2]
 
 
+@pytest.mark.parametrize("arch,method,importance", [("llama", "fusion", "weight"), ("gpt2", "fusion", "weight"),
+                                                     ("bert", "fusion", "weight"), ("llama", "neuron", "activation")])
+def test_layerwise_tuning_equals_whole_model_bit_for_bit(tmp_path, arch, method, importance):
+    """Tune data flows through the original layers as they are read; each layer is compressed, scored and tuned on
+    its own captured pairs: the folder, the per-layer errors before and after tuning and the summed MSEs are the
+    whole model's (the tiny models' tuning gradients stay under the clip, where the two modes are the same
+    arithmetic); only one layer's pairs are ever in the work folder, and none after."""
+    src = saved_checkpoint(tmp_path, arch, **({"n_layer": 3} if arch == "gpt2" else {"num_hidden_layers": 3}))
+    blocks = torch.randint(0, 256, (12, 16), generator=torch.Generator().manual_seed(3))
+    cfg = FusionConfig(width=12, method=method, importance=importance, layers="0,2", n_init=1, tune_steps=7,
+                       tune_lr=3e-3, tune_batch=64)
+    loaded = load_model(src)
+    whole = fuse(loaded.model, cfg, tune_data=blocks, progress=False)
+    save(loaded.model, tmp_path / "whole")
+    seen = []
+    import mlpsurgery.methods.fusion_layerwise as flw
+    real = flw.tune_layers
+
+    def spy(model, capture, layers, *a, **kw):
+        seen.append(sorted(p.name for p in (tmp_path / "lw.work").iterdir() if p.name.startswith("layer")))
+        return real(model, capture, layers, *a, **kw)
+
+    flw.tune_layers = spy
+    try:
+        lw = fuse_layerwise(src, tmp_path / "lw", cfg, tune_data=blocks, workdir=tmp_path / "lw.work", progress=False)
+    finally:
+        flw.tune_layers = real
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["sites"] == whole["sites"] and all("error_rel_tuned" in r for r in lw["sites"])
+    assert lw["tuning"]["mse_after"] < lw["tuning"]["mse_before"]
+    for key in ("mse_before", "mse_after"):
+        assert lw["tuning"][key] == pytest.approx(whole["tuning"][key], rel=1e-6)
+    assert seen == [["layer000"], ["layer002"]]  # one layer's pairs at a time
+    assert [p.name for p in (tmp_path / "lw.work").iterdir() if p.name.startswith("layer")] == []
+
+
 def test_layerwise_fusion_refuses_what_it_cannot_do_before_writing(tmp_path):
     src = saved_checkpoint(tmp_path, "llama")
     with pytest.raises(MLPSurgeryError, match="prune --layerwise"):
@@ -125,13 +161,32 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "lw" / "tokenizer_config.json").is_file()
-    # refused, exit 2, nothing written: tune data, the magnitude baseline, a model without files
-    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen",
+    # with tune data: the whole-model command's folder, its work folder gone
+    tuned = [*common[:-2], "--tune-data", "austen", "--tune-blocks", "8", "--block-len", "32", "--tune-steps", "3",
+             "--quiet", "--json"]
+    assert main([*tuned, "--out", str(tmp_path / "whole-t")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*tuned, "--layerwise", "--out", str(tmp_path / "lw-t")]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["sites"] == whole["sites"] and lw["tuning"]["steps"] == whole["tuning"]["steps"] == 3
+    a, b = file_tensors(tmp_path / "whole-t"), file_tensors(tmp_path / "lw-t")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "lw-t.work").exists()
+    # refused, exit 2, nothing written: a block length past the context, the magnitude baseline, a model without
+    # files, a work folder holding the user's files
+    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen", "--block-len", "100000",
                  "--out", str(tmp_path / "x1")]) == 2
     assert main(["fuse", str(src), "--width", "8", "--method", "magnitude", "--layerwise",
                  "--out", str(tmp_path / "x2")]) == 2
     assert main(["fuse", "tiny:llama", "--width", "8", "--layerwise", "--out", str(tmp_path / "x3")]) == 2
-    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
+    (tmp_path / "x4.work").mkdir()
+    (tmp_path / "x4.work" / "notes.txt").write_text("mine")
+    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen",
+                 "--out", str(tmp_path / "x4")]) == 2
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work"))
+    assert [p.name for p in (tmp_path / "x4.work").iterdir()] == ["notes.txt"]
+    err = capsys.readouterr().err
+    assert "exceeds the model's context" in err and "did not write" in err
 
 
 # ---- NSN surgery (methods/nsn/layerwise.py) -----------------------------------------------------------

@@ -50,8 +50,8 @@ def run_fuse(args) -> dict:
     t0 = time.perf_counter()
     if args.layerwise:
         if parallel.launched():
-            raise MLPSurgeryError("--layerwise runs as one process (it does not train): drop torchrun, or drop "
-                                  "--layerwise")
+            raise MLPSurgeryError("--layerwise runs as one process (it tunes one layer at a time): drop torchrun, or "
+                                  "drop --layerwise")
         return _fuse_layerwise(args, cfg, t0)
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
@@ -79,20 +79,40 @@ def run_fuse(args) -> dict:
 
 
 def _fuse_layerwise(args, cfg, t0: float) -> dict:
-    """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion_layerwise.py)."""
+    """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion_layerwise.py); with --tune-data
+    each chosen layer's pairs are captured as the tune text flows through the original layers, into OUT.work (removed
+    on success), and the layer tuned on them before the next is read."""
+    from ..data import text_blocks
     from ..errors import MLPSurgeryError
+    from ..files import check_state, remove_ours
+    from ..io import check_out
+    from ..measure.memory import peak_rss
     from ..methods.fusion_layerwise import check_layerwise, fuse_layerwise
-    from ..models import _tokenizer, checkpoint_folder, working_dtype
+    from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
     check_layerwise(cfg, tune=bool(args.tune_data))
     if args.task != "auto" or args.checkpoint_dir:
-        raise MLPSurgeryError("--layerwise compresses the checkpoint's own class without tuning: drop --task and "
-                              "--checkpoint-dir, or drop --layerwise")
+        raise MLPSurgeryError("--layerwise compresses the checkpoint's own class, each layer tuned at once: drop --task "
+                              "and --checkpoint-dir, or drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
-    report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
-                            overwrite=args.overwrite, inputs=[args.model], source_name=name,
-                            progress=progress(args))
-    report.update(model=source, out=args.out, seconds=time.perf_counter() - t0)
+    tok = _tokenizer(folder)
+    tune, work = None, Path(str(args.out) + ".work")  # the captured pairs of the layer being tuned
+    inputs = [args.model, args.tune_data]
+    check_out(args.out, args.overwrite, inputs=inputs + [work])
+    if args.tune_data:
+        check_state(work, inputs=inputs + [args.out], what="work")
+        if tok is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer, which the tune data needs; add its tokenizer files")
+        stage(args, f"reading and tokenising the tune data {args.tune_data}")
+        tune = text_blocks(args.tune_data, tok, block_len=args.block_len, max_blocks=args.tune_blocks,
+                           seed=args.seed)
+    report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok, overwrite=args.overwrite,
+                            inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
+                            workdir=work if tune is not None else None,
+                            check=lambda m: check_context(m, args.block_len) if tune is not None else None)
+    if tune is not None:
+        remove_ours(work)
+    report.update(model=source, out=args.out, seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss())
     report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
     return report
 

@@ -6,24 +6,40 @@ modules, history and source fingerprint (tests/test_layerwise_reshape.py checks 
 decoder layer is in memory at a time (`layerwise.rewrite`): it is read from the safetensors files, compressed,
 appended to the output and dropped; a compressed MLP changes shape, so the output's header is written last.
 
-Not here (refused before anything is read or written): layer-wise tuning and activation importance, which need
-every layer's captured activations on tune text, and the magnitude baseline, whose masks the pruning commands'
+With tune data (layer-wise tuning, activation importance) the tune blocks flow through the original layers as the
+layers are read (`LayerStream.run`); each chosen layer's MLP pairs (x, y) are captured while its original runs
+(`capture.layer_capture`, bit for bit what `capture_mlp_io` records on the whole model), then the layer is
+compressed, scored on those pairs and tuned on them alone (`fusion.tune_layers` of that one layer), and its
+capture removed: memory of one layer, one layer's pairs and the stream of hidden states (on disk past
+`max_memory_gb`), not every layer's pairs beside the whole model. Each layer's term of the tuning loss depends on its
+own MLP alone, so tuning it alone takes the same steps on the same rows; what differs from `fuse` on the whole
+model is the gradient-norm clip, which there is one norm over every tuned layer and here each layer's own (equal
+where the clip does not act; tested).
+
+Not here (refused before anything is read or written): the magnitude baseline, whose masks the pruning commands'
 own layer-sequential mode writes (`prune --layerwise`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
+from ..capture import layer_capture
 from ..errors import MLPSurgeryError
+from ..files import claim, model_fingerprint
 from ..io import record
 from ..layerwise import LayerStream, rewrite
 from ..measure.cost import count_params
 from ..sites import find_sites
-from .fusion import FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width
+from .fusion import FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width, tune_layers
+
+CAPTURE_BATCH = 8  # blocks per forward, as capture_mlp_io runs them (the chunks are the same)
 
 METHODS = ("fusion", "cluster", "svd", "sketch", "mmd", "neuron", "random")
 
@@ -34,38 +50,109 @@ def check_layerwise(cfg: FusionConfig, tune: bool = False) -> None:
     if cfg.method not in METHODS:
         raise MLPSurgeryError(f"the layer-sequential mode fuses with {', '.join(METHODS)}, not {cfg.method!r} "
                               "(magnitude: use `prune --layerwise --method magnitude`): drop --layerwise")
-    if tune or cfg.importance == "activation":
-        raise MLPSurgeryError("the layer-sequential mode compresses without tune data (layer-wise tuning and "
-                              "activation importance need every layer's captured activations): drop --tune-data "
-                              "and --importance activation, or drop --layerwise")
+    if cfg.importance == "activation" and cfg.method == "neuron" and not tune:
+        raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
+
+
+class _Captures:
+    """Layer -> its captured pairs (one Capture each), read as the whole model's capture is (`layer(i)`)."""
+
+    def __init__(self):
+        self.by_layer = {}
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.by_layer[i].layer(i)
+
+
+def _chain(h: str, *parts) -> str:
+    return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
 
 
 def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype=None, tokenizer=None,
-                   overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True) -> dict:
+                   overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True,
+                   tune_data: Tensor | None = None, workdir: str | Path | None = None,
+                   max_memory_gb: float | None = None, check=None) -> dict:
     """Compress the checkpoint in `folder` layer by layer and save the result to `out` (what `fuse` then `save`
-    write, without tune data); returns fuse's report with the parameter counts before and after."""
-    check_layerwise(cfg)
-    stream = LayerStream(Path(folder), dtype=dtype)
+    write); returns fuse's report with the parameter counts before and after. tune_data: (N, T) token blocks for
+    layer-wise tuning (and activation importance), captured one layer at a time into `workdir` (a new or empty
+    folder, marked as mlpsurgery's; each layer's pairs removed once it is tuned). check(skeleton): the caller's
+    checks of the model (shapes and config only), run before anything is written."""
+    check_layerwise(cfg, tune=tune_data is not None)
+    tune = tune_data is not None
+    if tune and workdir is None:
+        raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
+    workdir = None if workdir is None else Path(workdir)
+    stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
+                         spill_dir=None if workdir is None else workdir / "spill")
     model = stream.model
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)  # on the skeleton: shapes only
+    if check is not None:
+        check(model)
     before = count_params(model)
     gen = torch.Generator().manual_seed(cfg.seed)
-    probes = _ErrorProbes(sites, layers, None, cfg.seed)
-    rows = []
+    caps = _Captures() if tune else None
+    probes = _ErrorProbes(sites, layers, caps, cfg.seed)
+    rows, tuning = [], []
+    state = {}
+    if tune:
+        digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
+        resident = stream.resident_fingerprint()
+        claim(workdir, "fuse-work-layerwise", {"model": resident, "data": digest}, inputs=[*inputs, out])
+        state["chain"] = _chain(resident, tune_data.shape, digest, stream.dtype)
+        d = sites.config.hidden_size
+        extra = 2 * tune_data.numel() * d * 4  # one layer's captured pairs (float32), beside the stream
+        state["acts"] = stream.layer_inputs(tune_data, batch_size=CAPTURE_BATCH, extra_bytes=extra)
+
+    def stream_on(i: int) -> None:
+        """With tune data: run original layer i over the tune stream (capturing its MLP pairs if it is chosen)."""
+        layer = stream.layers[i]
+        original = model_fingerprint(layer)
+        if i in layers:
+            with layer_capture(sites.mlp[i], len(tune_data), tune_data.shape[1], CAPTURE_BATCH,
+                               workdir / f"layer{i:03d}", state["chain"], torch.float32, i) as (cap, _):
+                nxt = stream.run(i, state["acts"])
+            caps.by_layer[i] = cap
+        else:
+            nxt = stream.run(i, state["acts"])
+        state["chain"] = _chain(state["chain"], i, original)
+        state["acts"] = nxt if i < layers[-1] else None  # not needed past the last chosen layer
 
     def work(i: int) -> None:
-        if i in layers:
-            probes.before(i)
-            rows.append(compress_site(sites.mlp[i], k, cfg, gen, progress=progress))
-            rows[-1]["error_rel"] = probes.error(i)
-            count_after(sites.mlp[i], rows[-1])
+        if tune and i <= layers[-1]:
+            stream_on(i)
+        if i not in layers:
+            return
+        x = caps.layer(i)[0] if tune and cfg.importance == "activation" else None
+        probes.before(i)
+        rows.append(compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress))
+        rows[-1]["error_rel"] = probes.error(i)
+        count_after(sites.mlp[i], rows[-1])
+        if tune:
+            tuning.append(tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress))
+            rows[-1]["error_rel_tuned"] = probes.error(i)
+            del caps.by_layer[i]
+            shutil.rmtree(workdir / f"layer{i:03d}")
 
     rewrite(stream, out, work, f"{cfg.method} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
-            inputs=inputs, source_name=source_name, progress=progress,
-            finish=lambda: record(model, "fusion", asdict(cfg), width=k, layers=layers, tune_tokens=0))
+            inputs=[*inputs, *([workdir] if workdir is not None else [])], source_name=source_name,
+            progress=progress, finish=lambda: record(model, "fusion", asdict(cfg), width=k, layers=layers,
+                                                     tune_tokens=int(tune_data.numel()) if tune else 0))
     after = count_params(model)
-    return {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
-            "error_inputs": probes.description, "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
-            "mlp_params_before": before["mlp"], "mlp_params_after": after["mlp"],
-            "params_before": before["total"], "params_after": after["total"]}
+    report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
+              "error_inputs": probes.description, "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
+              "activations_on_disk": stream.disk, "mlp_params_before": before["mlp"],
+              "mlp_params_after": after["mlp"], "params_before": before["total"], "params_after": after["total"]}
+    if tune:
+        report["tuning"] = _merge_tuning(tuning)
+    return report
+
+
+def _merge_tuning(parts: list[dict]) -> dict:
+    """fuse's tuning report from the per-layer ones: the MSEs summed over the layers (fuse reports their sum), the
+    steps, tokens and batch every layer shares, seconds added up, the memory of the largest layer."""
+    first = parts[0]
+    return {"steps": first["steps"], "tokens": first["tokens"], "batch_rows": first["batch_rows"],
+            "mse_before": sum(p["mse_before"] for p in parts), "mse_after": sum(p["mse_after"] for p in parts),
+            "seconds": sum(p["seconds"] for p in parts),
+            "memory": {k: max(p["memory"].get(k, 0) for p in parts) for k in first["memory"]}, "per_layer": True}
