@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,12 @@ class Activations:
 
     hidden: list[Tensor]
     calls: list[list[tuple[tuple, dict]]] = field(repr=False)  # [layer][batch] -> (args, kwargs)
+
+
+def digest_chain(h: str, *parts) -> str:
+    """h extended by parts: the digest of everything that reaches a layer of a stream (the data, the parts outside
+    the layers, every layer before it), which a resumed capture or finished layer must match."""
+    return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
 
 
 def trim_heap() -> None:

@@ -92,8 +92,8 @@ def _fuse_layerwise(args, cfg, t0: float) -> dict:
 
     check_layerwise(cfg, tune=bool(args.tune_data))
     if args.task != "auto" or args.checkpoint_dir:
-        raise MLPSurgeryError("--layerwise compresses the checkpoint's own class, each layer tuned at once: drop --task "
-                              "and --checkpoint-dir, or drop --layerwise")
+        raise MLPSurgeryError("--layerwise compresses the checkpoint's own class and tunes each layer in one go (no "
+                              "tuning checkpoints): drop --task and --checkpoint-dir, or drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
     tok = _tokenizer(folder)
     tune, work = None, Path(str(args.out) + ".work")  # the captured pairs of the layer being tuned

@@ -34,7 +34,7 @@ from ..capture import layer_capture
 from ..errors import MLPSurgeryError
 from ..files import claim, model_fingerprint
 from ..io import record
-from ..layerwise import LayerStream, rewrite
+from ..layerwise import LayerStream, digest_chain, rewrite
 from ..measure.cost import count_params
 from ..sites import find_sites
 from .fusion import FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width, tune_layers
@@ -62,10 +62,6 @@ class _Captures:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.by_layer[i].layer(i)
-
-
-def _chain(h: str, *parts) -> str:
-    return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
 
 
 def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype=None, tokenizer=None,
@@ -99,7 +95,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
         resident = stream.resident_fingerprint()
         claim(workdir, "fuse-work-layerwise", {"model": resident, "data": digest}, inputs=[*inputs, out])
-        state["chain"] = _chain(resident, tune_data.shape, digest, stream.dtype)
+        state["chain"] = digest_chain(resident, tune_data.shape, digest, stream.dtype)
         d = sites.config.hidden_size
         extra = 2 * tune_data.numel() * d * 4  # one layer's captured pairs (float32), beside the stream
         state["acts"] = stream.layer_inputs(tune_data, batch_size=CAPTURE_BATCH, extra_bytes=extra)
@@ -115,7 +111,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             caps.by_layer[i] = cap
         else:
             nxt = stream.run(i, state["acts"])
-        state["chain"] = _chain(state["chain"], i, original)
+        state["chain"] = digest_chain(state["chain"], i, original)
         state["acts"] = nxt if i < layers[-1] else None  # not needed past the last chosen layer
 
     def work(i: int) -> None:

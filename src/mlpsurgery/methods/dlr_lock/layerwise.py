@@ -46,7 +46,7 @@ from ...capture import layer_capture
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import claim, model_fingerprint
 from ...io import atomic_write_text, record
-from ...layerwise import LayerStream, rewrite
+from ...layerwise import LayerStream, digest_chain, rewrite
 from ...modules.dlr import DLRNet
 from ...sites import find_sites
 from .captured import capture_batch
@@ -64,10 +64,6 @@ def check_layerwise(cfg: DLRConfig) -> None:
         raise MLPSurgeryError("lock_layerwise distils each MLP on its own, one layer in memory at a time; phase 2 "
                               "trains the whole model end to end: set phase2_steps=0 and run continue_phase2 on the "
                               "saved folder (what `lock dlr --layerwise` does)")
-
-
-def _chain(h: str, *parts) -> str:
-    return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
 
 
 # settings that change how phase 1 runs, not what it computes: a stopped run may resume with others
@@ -173,7 +169,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     extra = (2 if onpolicy else 1) * pairs + 16 * params + (2 * act_bytes if onpolicy else 0)
     acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
     on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
-    start = _chain(resident, blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
+    start = digest_chain(resident, blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
                    stream.dtype, cfg.capture_dtype)
     chain = {"teacher": start, "onpolicy": start}
     reports: list[DLRReport] = []
@@ -194,11 +190,12 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             if not diverged:
                 on_acts = acts
             for k in chain:
-                chain[k] = _chain(chain[k], i, original)
+                chain[k] = digest_chain(chain[k], i, original)
             return
         wd = workdir / f"layer{i:03d}"
         site = sites.mlp[i]
-        key = _chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))  # what the layer's net is made of
+        # what the layer's net is made of
+        key = digest_chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))
         done = _finished(wd, key, i)
         if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
             net = DLRNet(d, cfg.rank, depth, cfg.eps).to(stream.dtype)
@@ -212,7 +209,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             oncap = None
             if onpolicy:
                 with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
-                                   _chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
+                                   digest_chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
                     if needed:
                         stream.run(i, on_acts, keep=False)
             # the plan's one depth (the largest locked MLP's budget), as a whole-model run gives every layer
@@ -222,10 +219,10 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             net = nets[i].to(dtype=stream.dtype)
             _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
         site.replace_subblock(net)
-        chain["teacher"] = _chain(chain["teacher"], i, original)
+        chain["teacher"] = digest_chain(chain["teacher"], i, original)
         if onpolicy and i < everything[-1]:  # on through the locked layer
             on_acts = stream.run(i, on_acts, tag="on-")
-            chain["onpolicy"] = _chain(chain["onpolicy"], i, model_fingerprint(layer))
+            chain["onpolicy"] = digest_chain(chain["onpolicy"], i, model_fingerprint(layer))
         if not onpolicy:
             chain["onpolicy"] = chain["teacher"]
         acts = next_acts
