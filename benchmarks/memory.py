@@ -122,6 +122,7 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
     return [
         ("inspect", ["inspect", model, *d]),
         ("eval ppl (8k tokens)", ["eval", "ppl", model, *d, "--max-tokens", "8192"]),
+        ("eval ppl (8k tokens) --layerwise", ["eval", "ppl", model, *d, "--max-tokens", "8192", "--layerwise"]),
         (f"fuse {' '.join(how + [''])}--width {width} --layers all", ["fuse", model, *d, *how, "--width", str(width),
                                                                       "--layers", "all", "--out", str(w / "fused")]),
         (f"fuse {' '.join(how + [''])}--width {width} --layers all --layerwise",

@@ -157,3 +157,63 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     assert main(["prune", "tiny:llama", "--method", "wanda", "--sparsity", "0.5", "--layerwise",
                  "--out", str(tmp_path / "x3")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
+
+
+# ---- perplexity one layer at a time (LayerStream.outputs, measure.perplexity_layerwise) -------------------
+
+CAUSAL = [a for a in ARCHITECTURES if a not in ("bert", "roberta")]
+
+
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_layerwise_perplexity_equals_whole_model_bit_for_bit(tmp_path, arch):
+    """Windows of several lengths (documents shorter than a block, a cut last window), with and without BOS: the
+    streamed layers and the model's own head (final norm, soft-capping) give the whole model's perplexity exactly."""
+    from mlpsurgery.measure.perplexity import perplexity, perplexity_layerwise
+
+    src = saved_checkpoint(tmp_path, arch)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 70, 9, 23)]
+    model = load_model(src).model
+    for bos, stride, max_tokens in ((None, None, None), (1, 5, 90)):
+        a = perplexity(model, seqs, block_len=16, stride=stride, batch_size=3, max_tokens=max_tokens, bos_id=bos,
+                       progress=False)
+        b = perplexity_layerwise(LayerStream(src), seqs, block_len=16, stride=stride, batch_size=3,
+                                 max_tokens=max_tokens, bos_id=bos, progress=False)
+        assert (b.ppl, b.tokens, b.protocol) == (a.ppl, a.tokens, a.protocol)
+        assert a.protocol["windows"] > 4
+
+
+def test_layerwise_perplexity_of_a_folder_mlpsurgery_wrote_in_bfloat16(tmp_path):
+    """A fused folder (its reshaped MLPs rebuilt from the manifest) read layer by layer in bfloat16."""
+    from mlpsurgery.measure.perplexity import perplexity, perplexity_layerwise
+    from mlpsurgery.methods.fusion import FusionConfig, fuse
+
+    m = load_model(saved_checkpoint(tmp_path, "llama")).model
+    fuse(m, FusionConfig(width=16, layers="all", n_init=1), progress=False)
+    save(m.to(torch.bfloat16), tmp_path / "fused")
+    seqs = _blocks(5, 30).unbind(0)
+    a = perplexity(load(tmp_path / "fused"), list(seqs), block_len=12, progress=False)
+    b = perplexity_layerwise(LayerStream(tmp_path / "fused"), list(seqs), block_len=12, progress=False)
+    assert b.ppl == a.ppl and LayerStream(tmp_path / "fused").dtype == torch.bfloat16
+
+
+def test_cli_eval_ppl_layerwise_equals_the_whole_model_command(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "qwen2")
+    byte_tokenizer().save_pretrained(src)
+    common = ["eval", "ppl", str(src), "--max-tokens", "300", "--block-len", "32", "--json"]
+    assert main(common) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*common, "--layerwise"]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["layerwise"] and lw["ppl"] == whole["ppl"] and lw["tokens"] == whole["tokens"] == 300
+    # refused, exit 2: a model without files, an encoder, a GPU
+    bert = saved_checkpoint(tmp_path, "bert")
+    byte_tokenizer().save_pretrained(bert)
+    assert main(["eval", "ppl", "tiny:llama", "--layerwise"]) == 2
+    assert main(["eval", "ppl", str(bert), "--layerwise"]) == 2
+    assert main([*common, "--layerwise", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no weight files" in err and "causal language model" in err and "runs on the CPU" in err

@@ -57,17 +57,34 @@ def render_inspect(r: dict) -> str:
 
 def run_ppl(args) -> dict:
     from ..data import default_bos, load_corpus
-    from ..measure.perplexity import default_block_len, is_causal_lm, perplexity
+    from ..measure.memory import peak_rss
+    from ..measure.perplexity import default_block_len, is_causal_lm, perplexity, perplexity_layerwise
     from ..models import check_context
 
-    loaded = _load(args)
+    if args.layerwise:  # the checkpoint read one decoder layer at a time (layerwise.LayerStream.outputs)
+        from ..layerwise import LayerStream
+        from ..models import _tokenizer, checkpoint_folder, working_dtype
+
+        if args.device not in ("auto", "cpu"):
+            raise MLPSurgeryError(f"--layerwise runs on the CPU (one layer read from the files at a time), not on "
+                                  f"{args.device}: drop --device, or drop --layerwise")
+        folder, source, _ = checkpoint_folder(args.model)
+        stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
+        stream = LayerStream(folder, dtype=working_dtype())
+        model, tok = stream.model, _tokenizer(folder)
+        if tok is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer, which the text needs; add its tokenizer files")
+    else:
+        loaded = _load(args)
+        model, source = loaded.model, loaded.source
     # what can be refused is refused before the seconds of tokenising a corpus, not after
-    if not is_causal_lm(loaded.model):
-        raise MLPSurgeryError(f"perplexity needs a causal language model; {type(loaded.model).__name__} is not one "
+    if not is_causal_lm(model):
+        raise MLPSurgeryError(f"perplexity needs a causal language model; {type(model).__name__} is not one "
                               "(for encoders use `mlpsurgery eval acc`)")
-    block = args.block_len or default_block_len(loaded.model)
-    check_context(loaded.model, block)
-    tok = loaded.require_tokenizer()
+    block = args.block_len or default_block_len(model)
+    check_context(model, block)
+    if not args.layerwise:
+        tok = loaded.require_tokenizer()
     bos = {"auto": default_bos(tok), "off": None, "on": tok.bos_token_id}[args.bos]  # auto: as corpus.bos
     if args.bos == "on" and bos is None:
         raise MLPSurgeryError("--bos on: the tokenizer has no BOS token; use --bos auto or off")
@@ -78,12 +95,14 @@ def run_ppl(args) -> dict:
     stage(args, f"reading and tokenising {args.data or 'austen'}")
     corpus = load_corpus(args.data, tok)
     t0 = time.perf_counter()
-    res = perplexity(loaded.model, corpus.sequences(args.split), block_len=block, stride=args.stride,
-                     batch_size=args.batch_size, max_tokens=args.max_tokens, progress=progress(args), bos_id=bos)
+    measure = perplexity_layerwise if args.layerwise else perplexity
+    res = measure(stream if args.layerwise else model, corpus.sequences(args.split), block_len=block,
+                  stride=args.stride, batch_size=args.batch_size, max_tokens=args.max_tokens, progress=progress(args),
+                  bos_id=bos)
     out = res.as_dict()
-    out.update(model=loaded.source, data=corpus.source, split=args.split, split_rule=corpus.split,
+    out.update(model=source, data=corpus.source, split=args.split, split_rule=corpus.split,
                documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
-               seconds=time.perf_counter() - t0)
+               seconds=time.perf_counter() - t0, layerwise=args.layerwise, peak_rss_bytes=peak_rss())
     return out
 
 
@@ -93,7 +112,7 @@ def render_ppl(r: dict) -> str:
             f"  model {r['model']}\n  data {r['data']}, {r['split']} split: {', '.join(r['documents'][:6])}"
             f"{' ...' if len(r['documents']) > 6 else ''} ({r['split_rule']})\n"
             f"  protocol: windows of {p['block_len']} tokens every {p['stride']}, {p['scored']}; BOS {p['bos']}"
-            f"\n  {r['seconds']:.1f} s")
+            f"\n  {r['seconds']:.1f} s" + (", one decoder layer in memory at a time" if r.get("layerwise") else ""))
 
 
 # ---- eval cost --------------------------------------------------------------------------------------
@@ -240,6 +259,9 @@ def register(sub, groups) -> None:
     p.add_argument("--max-tokens", type=integer(1), help="score at most this many tokens (default: all)")
     p.add_argument("--bos", choices=("auto", "on", "off"), default="auto",
                    help="prepend BOS to every window: auto (default) does what the tokenizer does by default")
+    p.add_argument("--layerwise", action="store_true",
+                   help="read the checkpoint's safetensors files one decoder layer at a time (on the CPU): memory of "
+                        "one layer plus the embeddings, head and the windows' hidden states; the same perplexity")
 
     p = command(groups["eval"], "cost", run_cost, render_cost,
                 "wall time and peak memory of inference and of one training step; ratios against a baseline")

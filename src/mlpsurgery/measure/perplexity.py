@@ -91,58 +91,89 @@ def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: in
                device: torch.device | str | None = None, bos_id: int | None = None) -> Perplexity:
     """Perplexity of a causal LM on token sequences (a list of 1-D tensors, or an (N, T) tensor of blocks).
     bos_id: prepend this BOS to every window (`corpus.bos` follows the tokenizer's default: data.default_bos)."""
-    if not is_causal_lm(model):
-        raise MLPSurgeryError(f"perplexity needs a causal language model; {type(model).__name__} is not one "
-                              "(for encoders use `mlpsurgery eval acc`)")
-    bos = bos_id is not None
-    if block_len < (3 if bos else 2):
-        raise MLPSurgeryError(f"block length must be at least {3 if bos else 2} tokens, not {block_len}")
-    check_context(model, block_len)
-    span = block_len - 1 if bos else block_len
-    if stride is None:
-        stride = span - 1 if span > 1 else 1
-    if not 0 < stride < span:
-        raise MLPSurgeryError(f"stride must be in 1..{span - 1} (the window's text tokens minus one), not {stride}")
-    if max_tokens is not None and max_tokens < 1:
-        raise MLPSurgeryError(f"max tokens must be at least 1, not {max_tokens}")
-    seqs = list(sequences) if isinstance(sequences, (list, tuple)) else list(sequences.unbind(0))
-    wins = _windows([len(s) for s in seqs], block_len, stride, bos)
-    if max_tokens is not None:
-        kept, total = [], 0
-        for doc, start, first, end in wins:
-            if total >= max_tokens:
-                break
-            end = min(end, first + max_tokens - total)  # cut the last window: at most max_tokens are scored
-            kept.append((doc, start, first, end))
-            total += end - first
-        wins = kept
-    if not wins:
-        raise MLPSurgeryError("no tokens to score: every sequence is shorter than 2 tokens")
+    plan = _Plan(model, sequences, block_len, stride, batch_size, max_tokens, bos_id)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    nll_sum, count = 0.0, 0
-    # batch windows of equal length together
-    by_len: dict[int, list] = {}
-    for w in wins:
-        by_len.setdefault(w[3] - w[1], []).append(w)
-    groups = [g[i:i + batch_size] for g in by_len.values() for i in range(0, len(g), batch_size)]
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        o = 1 if bos else 0  # where document position `start` sits in the model's input
-        for group in tqdm(groups, desc="perplexity", unit="batch", disable=not progress):
-            rows = [seqs[doc][start:end] for doc, start, _, end in group]
-            if bos:
-                rows = [torch.cat([torch.tensor([bos_id], dtype=r.dtype), r]) for r in rows]
-            ids = torch.stack(rows).to(device)
-            nll = _next_token_nll(model(input_ids=ids).logits, ids)  # (B, T-1): nll of input token t+1
-            for b, (doc, start, first, end) in enumerate(group):
-                nll_sum += nll[b, first - start + o - 1:end - start + o - 1].double().sum().item()
-                count += end - first
+        for g, group in enumerate(tqdm(plan.groups, desc="perplexity", unit="batch", disable=not progress)):
+            ids = plan.ids(g).to(device)
+            plan.score(g, model(input_ids=ids).logits, ids)
     model.train(was_training)
-    mean = nll_sum / count
-    protocol = {"block_len": block_len, "stride": stride, "documents": len(seqs), "windows": len(wins),
-                "scored": "each token once, in the first window giving it >= 1 token of context; a document's "
-                          + ("first token with BOS as its context" if bos else "first token never"),
-                "bos": f"id {bos_id} prepended to every window" if bos else "not added",
-                "log": "natural", "max_tokens": max_tokens}
-    return Perplexity(ppl=math.exp(mean), nll=mean, tokens=count, protocol=protocol)
+    return plan.result()
+
+
+def perplexity_layerwise(stream, sequences: list[Tensor] | Tensor, block_len: int = 512, stride: int | None = None,
+                         batch_size: int = 4, max_tokens: int | None = None, progress: bool = True,
+                         bos_id: int | None = None) -> Perplexity:
+    """`perplexity` of the checkpoint a layerwise.LayerStream reads, one decoder layer in memory at a time: the same
+    windows, batches and sums (`LayerStream.outputs` runs each layer over every batch in turn, then the model's own
+    head), so the result is the whole model's (tested bit for bit)."""
+    plan = _Plan(stream.model, sequences, block_len, stride, batch_size, max_tokens, bos_id)
+    batches = [plan.ids(g) for g in range(len(plan.groups))]
+    stream.outputs(batches, lambda g, out: plan.score(g, out.logits, batches[g]), progress=progress,
+                   desc="perplexity, layer by layer")
+    return plan.result()
+
+
+class _Plan:
+    """The windows, batches and running sums of one perplexity measurement (the protocol of the module docstring)."""
+
+    def __init__(self, model: nn.Module, sequences, block_len: int, stride: int | None, batch_size: int,
+                 max_tokens: int | None, bos_id: int | None):
+        if not is_causal_lm(model):
+            raise MLPSurgeryError(f"perplexity needs a causal language model; {type(model).__name__} is not one "
+                                  "(for encoders use `mlpsurgery eval acc`)")
+        bos = bos_id is not None
+        if block_len < (3 if bos else 2):
+            raise MLPSurgeryError(f"block length must be at least {3 if bos else 2} tokens, not {block_len}")
+        check_context(model, block_len)
+        span = block_len - 1 if bos else block_len
+        if stride is None:
+            stride = span - 1 if span > 1 else 1
+        if not 0 < stride < span:
+            raise MLPSurgeryError(f"stride must be in 1..{span - 1} (the window's text tokens minus one), not {stride}")
+        if max_tokens is not None and max_tokens < 1:
+            raise MLPSurgeryError(f"max tokens must be at least 1, not {max_tokens}")
+        self.seqs = list(sequences) if isinstance(sequences, (list, tuple)) else list(sequences.unbind(0))
+        wins = _windows([len(s) for s in self.seqs], block_len, stride, bos)
+        if max_tokens is not None:
+            kept, total = [], 0
+            for doc, start, first, end in wins:
+                if total >= max_tokens:
+                    break
+                end = min(end, first + max_tokens - total)  # cut the last window: at most max_tokens are scored
+                kept.append((doc, start, first, end))
+                total += end - first
+            wins = kept
+        if not wins:
+            raise MLPSurgeryError("no tokens to score: every sequence is shorter than 2 tokens")
+        by_len: dict[int, list] = {}  # batch windows of equal length together
+        for w in wins:
+            by_len.setdefault(w[3] - w[1], []).append(w)
+        self.groups = [g[i:i + batch_size] for g in by_len.values() for i in range(0, len(g), batch_size)]
+        self.bos_id, self.nll_sum, self.count = bos_id, 0.0, 0
+        self.protocol = {"block_len": block_len, "stride": stride, "documents": len(self.seqs), "windows": len(wins),
+                         "scored": "each token once, in the first window giving it >= 1 token of context; a "
+                                   "document's " + ("first token with BOS as its context" if bos else
+                                                    "first token never"),
+                         "bos": f"id {bos_id} prepended to every window" if bos else "not added",
+                         "log": "natural", "max_tokens": max_tokens}
+
+    def ids(self, g: int) -> Tensor:
+        """Group g's windows as one (B, T) batch of token ids (BOS first where the protocol adds it)."""
+        rows = [self.seqs[doc][start:end] for doc, start, _, end in self.groups[g]]
+        if self.bos_id is not None:
+            rows = [torch.cat([torch.tensor([self.bos_id], dtype=r.dtype), r]) for r in rows]
+        return torch.stack(rows)
+
+    def score(self, g: int, logits: Tensor, ids: Tensor) -> None:
+        nll = _next_token_nll(logits, ids.to(logits.device))  # (B, T-1): nll of input token t+1
+        o = 1 if self.bos_id is not None else 0  # where document position `start` sits in the model's input
+        for b, (doc, start, first, end) in enumerate(self.groups[g]):
+            self.nll_sum += nll[b, first - start + o - 1:end - start + o - 1].double().sum().item()
+            self.count += end - first
+
+    def result(self) -> Perplexity:
+        mean = self.nll_sum / self.count
+        return Perplexity(ppl=math.exp(mean), nll=mean, tokens=self.count, protocol=self.protocol)
