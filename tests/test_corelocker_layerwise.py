@@ -167,3 +167,69 @@ def test_cli_unlock_layerwise(tmp_path, capsys):
         assert main(["unlock", str(tmp_path / "locked"), "--key", str(tmp_path / "k.key"), "--out",
                      str(tmp_path / out), "--quiet", *flag]) == 0
     _same_folder(tmp_path / "whole", tmp_path / "lw")
+
+
+# ---- the ratio for a target utility, found layer by layer (find_ratio_layerwise) ---------------------------
+
+@pytest.mark.parametrize("unit,scope,include_io", [("weight", "global", False), ("neuron", "layer", False),
+                                                   ("weight", "global", True)])
+def test_layerwise_search_finds_the_whole_models_ratio_on_the_same_points(tmp_path, unit, scope, include_io):
+    """Each point of the bisection: the units of that ratio selected by the streaming selection, the perplexity
+    measured layer by layer with them extracted -- the whole model's points bit for bit, so the same ratio; the
+    files and the resident parts are unchanged afterwards."""
+    from mlpsurgery.methods.corelocker import find_ratio, lm_utility
+    from mlpsurgery.methods.corelocker.layerwise import find_ratio_layerwise
+    from mlpsurgery.methods.corelocker.ranking import Ranking
+    from mlpsurgery.methods.corelocker.units import unit_groups
+    from mlpsurgery.methods.corelocker.utility import evaluate_at
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    before = file_tensors(src)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (60, 45)]
+    cfg = CoreLockerConfig(unit=unit, scope=scope, include_io=include_io)
+    model = load_model(src).model
+    utility = lm_utility(seqs, block_len=16)
+    u0 = utility(model)
+    hi, _ = evaluate_at(model, Ranking(unit_groups(model, cfg), scope, 0.5), 0.5, utility)
+    target, tol = (u0 + hi) / 2, (hi - u0) / 50  # (a random tiny model's perplexity moves little: 257 -> 259)
+    whole = find_ratio(model, cfg, utility, target, tol, progress=False)
+    lw = find_ratio_layerwise(src, cfg, seqs, target, tol, block_len=16, progress=False)
+    assert lw["curve"] == whole.curve and lw["ratio"] == whole.ratio and len(lw["curve"]) > 3
+    assert lw["within_tolerance"] == whole.within_tolerance
+    after = file_tensors(src)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_lock_key_layerwise_to_a_target_perplexity_equals_the_whole_model_command(tmp_path, capsys):
+    src = str(saved_checkpoint(tmp_path, "llama", num_hidden_layers=3))
+    from mlpsurgery.tiny import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(src)
+    # random text, on which extraction raises this random model's perplexity (on English it lowers it: the
+    # extracted model is nearer uniform)
+    rng = torch.Generator().manual_seed(4)
+    text = "".join(chr(33 + int(c)) for c in torch.randint(0, 90, (6000,), generator=rng))
+    (tmp_path / "noise.txt").write_text("\n\n".join(text[i:i + 600] for i in range(0, 6000, 600)))
+    data = ["--data", str(tmp_path / "noise.txt")]
+    assert main(["lock", "key", src, "--ratio", "0.5", "--measure", "--calib-size", "256", "--json", *data,
+                 "--out", str(tmp_path / "half"), "--key", str(tmp_path / "half.key")]) == 0
+    u = json.loads(capsys.readouterr().out)["utility"]  # the target: halfway to what half the weights extracted give
+    target, tol = (u["original"] + u["locked"]) / 2, (u["locked"] - u["original"]) / 50
+    assert tol > 0  # (extraction raises this random model's perplexity, if only a little)
+    base = ["lock", "key", src, "--target-utility", f"{target}", "--tolerance", f"{tol}", "--calib-size", "256",
+            "--quiet", "--json", *data]
+    assert main([*base, "--out", str(tmp_path / "whole"), "--key", str(tmp_path / "whole.key")]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*base, "--layerwise", "--out", str(tmp_path / "lw"), "--key", str(tmp_path / "lw.key"),
+                 "--plot", str(tmp_path / "lw.png")]) == 0
+    lw = json.loads(capsys.readouterr().out)
+    assert lw["search"] == whole["search"] and lw["utility"] == whole["utility"]
+    assert lw["config"]["ratio"] == whole["config"]["ratio"] > 0 and (tmp_path / "lw.png").is_file()
+    _same_lock(tmp_path, "whole", "lw")
+    # out of reach: refused, exit 2, nothing written, the points tried in the error's details
+    assert main([*base[:3], "--target-utility", "1", "--layerwise", "--out", str(tmp_path / "x"),
+                 "--key", str(tmp_path / "x.key"), "--json"]) == 2
+    out = capsys.readouterr()
+    assert "beyond the original" in out.err and json.loads(out.out)["curve"]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.key").exists()

@@ -353,19 +353,22 @@ class LayerStream:
                 (self.spill_dir / f"{'in' if i == 0 else f'{tag}layer{i - 1}'}-{b}.bin").unlink(missing_ok=True)
         return Activations(out, acts.calls)
 
-    def outputs(self, batches: list[Tensor], fn, progress: bool = False, desc: str = "layers") -> list:
+    def outputs(self, batches: list[Tensor], fn, progress: bool = False, desc: str = "layers", work=None) -> list:
         """fn(b, output) for the model's own output (e.g. its logits) on each token batch (B, T_b), computed with one
         decoder layer in memory at a time: the batches' hidden states go through layer 0, 1, ... (each read, run
         and released in turn); then the model's forward runs once more per batch with every layer returning that
         batch's final hidden state, so that what follows the layers (final norm, head, soft-capping) is the
         model's own code. One batch's output is held at a time (fn reduces it: a causal LM's logits of 4 x 512
-        tokens of a 49k vocabulary are 0.4 GB)."""
+        tokens of a 49k vocabulary are 0.4 GB). work(i): called on layer i once it is read, before it runs (e.g. to
+        change its weights; the files are untouched and the layer is released after)."""
         from tqdm.auto import tqdm
 
         acts = self.layer_inputs(list(batches))
         for i in tqdm(range(self.n_layers), desc=desc, unit="layer", disable=not progress):
             self.materialise(i)
             try:
+                if work is not None:
+                    work(i)
                 acts = self.run(i, acts)
             finally:
                 self.release(i)

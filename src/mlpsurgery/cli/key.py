@@ -49,17 +49,25 @@ def run_lock(args) -> dict:
                           max_ratio=args.max_ratio, measure=measure, overwrite=args.overwrite,
                           progress=progress(args), inputs=[args.model])
     except TargetNotReached as e:
-        # the points evaluated before the search gave up show why the target is out of reach
-        e.details = {"curve": e.curve}
-        if args.plot:
-            failed = e
-            plot = draw("utility", lambda: _plot_lock(args.plot, failed.curve, failed.metric, title, failed.original,
-                                                       failed.target, utility.chance))
-            if plot:
-                e.args = (f"{e}; the evaluated points are plotted in {plot}",)
-                e.details["plot"] = plot
+        _plot_unreached(args, e, title, utility.chance)
         raise
     res["model"] = loaded.source
+    _plot_result(args, res, cfg, title)
+    return res
+
+
+def _plot_unreached(args, e, title: str, chance) -> None:
+    """The points a search evaluated before it gave up, into the error's details (and --plot): they show why the
+    target is out of reach."""
+    e.details = {"curve": e.curve}
+    if args.plot:
+        plot = draw("utility", lambda: _plot_lock(args.plot, e.curve, e.metric, title, e.original, e.target, chance))
+        if plot:
+            e.args = (f"{e}; the evaluated points are plotted in {plot}",)
+            e.details["plot"] = plot
+
+
+def _plot_result(args, res: dict, cfg, title: str) -> None:
     if args.plot:
         u = res["utility"]
         curve = res["search"]["curve"] if "search" in res else \
@@ -67,28 +75,57 @@ def run_lock(args) -> dict:
         target = res["search"]["target"] if "search" in res else None
         res["plot"] = draw("utility", lambda: _plot_lock(args.plot, curve, u["metric"], title, u["original"], target,
                                                          u["chance"]))
-    return res
 
 
 def _lock_layerwise(args, cfg) -> dict:
-    """`lock key --layerwise`: the checkpoint read one layer at a time (methods/corelocker/layerwise.py)."""
+    """`lock key --layerwise`: the checkpoint read one layer at a time (methods/corelocker/layerwise.py); with
+    --target-utility (a causal LM) the ratio found first by bisection on the perplexity measured layer by layer."""
+    import dataclasses
+
+    from ..data import load_corpus
     from ..methods.corelocker import check_lock_targets, passphrase_from_user
-    from ..methods.corelocker.layerwise import check_layerwise, lock_layerwise
+    from ..methods.corelocker.layerwise import check_layerwise, find_ratio_layerwise, lock_layerwise
+    from ..methods.corelocker.utility import TargetNotReached
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
-    if args.target_utility is not None or args.measure or args.plot:
-        raise MLPSurgeryError("--layerwise locks at a given --ratio without measuring the model (--target-utility, "
-                              "--measure and --plot run it whole): drop those, or drop --layerwise")
+    if args.measure or (args.plot and args.target_utility is None):
+        raise MLPSurgeryError("--layerwise measures the model only to find a --target-utility (--measure, and --plot "
+                              "without a target, run it whole): drop those, or drop --layerwise")
     if args.task != "auto":
         raise MLPSurgeryError("--layerwise locks the checkpoint's own class (--task auto): drop --task or --layerwise")
     check_layerwise(cfg)
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
+    check_plot_path(args.plot, inputs=[args.model, args.data], outputs=[args.out, args.key])
     folder, source, name = checkpoint_folder(args.model)
+    tok = _tokenizer(folder)
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
-    res = lock_layerwise(folder, args.out, args.key, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
+    search = None
+    title = f"CoreLocker {cfg.indicator} / {cfg.unit} on {source}"
+    if args.target_utility is not None:
+        if tok is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer "
+                                  "files")
+        stage(args, "reading the calibration data")
+        corpus = load_corpus(args.data, tok)
+        try:
+            search = find_ratio_layerwise(folder, cfg, corpus.heldout, args.target_utility, args.tolerance,
+                                          max_ratio=args.max_ratio, dtype=working_dtype(),
+                                          max_tokens=args.calib_size or 4096, bos_id=corpus.bos,
+                                          progress=progress(args))
+        except TargetNotReached as e:
+            _plot_unreached(args, e, title, None)
+            raise
+        cfg = dataclasses.replace(cfg, ratio=search["ratio"])
+    res = lock_layerwise(folder, args.out, args.key, cfg, dtype=working_dtype(), tokenizer=tok,
                          passphrase=passphrase, overwrite=args.overwrite, inputs=[args.model],
                          source_name=name, progress=progress(args))
     res["model"] = source
+    if search is not None:
+        res["search"] = {k: search[k] for k in ("ratio", "utility", "within_tolerance", "target", "tolerance",
+                                                "curve")}
+        res["utility"] = {"metric": "perplexity", "data": search["data"], "original": search["curve"][0]["perplexity"],
+                          "locked": search["utility"], "chance": None}
+        _plot_result(args, res, cfg, title)
     return res
 
 

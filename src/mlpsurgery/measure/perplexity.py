@@ -105,14 +105,15 @@ def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: in
 
 def perplexity_layerwise(stream, sequences: list[Tensor] | Tensor, block_len: int = 512, stride: int | None = None,
                          batch_size: int = 4, max_tokens: int | None = None, progress: bool = True,
-                         bos_id: int | None = None) -> Perplexity:
+                         bos_id: int | None = None, work=None) -> Perplexity:
     """`perplexity` of the checkpoint a layerwise.LayerStream reads, one decoder layer in memory at a time: the same
     windows, batches and sums (`LayerStream.outputs` runs each layer over every batch in turn, then the model's own
-    head), so the result is the whole model's (tested bit for bit)."""
+    head), so the result is the whole model's (tested bit for bit). work(i): applied to layer i once read (e.g. a
+    CoreLocker extraction), before it runs."""
     plan = _Plan(stream.model, sequences, block_len, stride, batch_size, max_tokens, bos_id)
     batches = [plan.ids(g) for g in range(len(plan.groups))]
     stream.outputs(batches, lambda g, out: plan.score(g, out.logits, batches[g]), progress=progress,
-                   desc="perplexity, layer by layer")
+                   desc="perplexity, layer by layer", work=work)
     return plan.result()
 
 

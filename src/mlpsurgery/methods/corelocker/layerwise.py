@@ -41,7 +41,7 @@ from .config import CoreLockerConfig
 from .folders import _place_key, check_lock_targets
 from .keyfile import write_key_file
 from .lock import check_entries, check_original, make_key
-from .ranking import Ranking, extract_entries, fingerprint, restore_entries, tensor_hash
+from .ranking import Ranking, extract_entries, fingerprint, restore_entries, tensor_hash, unit_count
 from .units import unit_groups
 
 
@@ -73,19 +73,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
     params = dict(model.named_parameters())
 
     stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope}), reading each layer from {folder}", progress)
-
-    @contextlib.contextmanager
-    def visit(i: int):  # neuron, head and norm-channel scores: from layer i, read for the moment they take
-        stream.materialise(i)
-        try:
-            yield
-        finally:
-            stream.release(i)
-
-    groups = unit_groups(model, cfg, visit=visit)
-    for g in groups:  # scores of a layer's matrix from the file (the skeleton's parameter is on the meta device)
-        if cfg.unit == "weight" and cfg.indicator == "l1" and g.name.startswith(inside):
-            g.scores = lambda name=g.name: stream._read(name, params[name]).abs().flatten().float()
+    groups = _stream_groups(stream, cfg)
     ranking = Ranking(groups, cfg.scope, cfg.ratio, ordered=False)  # only cfg.ratio is taken: no sort by score
     ranking.require_some(cfg.ratio, cfg.unit)
     extraction, n_units = ranking.take(cfg.ratio)
@@ -158,6 +146,83 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
         "locked_fingerprint": header["locked_fingerprint"], "layerwise": True,
         "dtype": str(stream.dtype).removeprefix("torch."),
     }
+
+
+def _stream_groups(stream: LayerStream, cfg: CoreLockerConfig) -> list:
+    """The unit groups of the checkpoint `stream` reads, their scores read from the files when the ranking asks."""
+    model = stream.model
+    inside = tuple(stream.prefixes)
+    params = dict(model.named_parameters())
+
+    @contextlib.contextmanager
+    def visit(i: int):  # neuron, head and norm-channel scores: from layer i, read for the moment they take
+        stream.materialise(i)
+        try:
+            yield
+        finally:
+            stream.release(i)
+
+    groups = unit_groups(model, cfg, visit=visit)
+    for g in groups:  # scores of a layer's matrix from the file (the skeleton's parameter is on the meta device)
+        if cfg.unit == "weight" and cfg.indicator == "l1" and g.name.startswith(inside):
+            g.scores = lambda name=g.name: stream._read(name, params[name]).abs().flatten().float()
+    return groups
+
+
+@ends_stages
+def find_ratio_layerwise(folder: str | Path, cfg: CoreLockerConfig, sequences: list[Tensor], target: float,
+                         tolerance: float | None = None, max_ratio: float = 0.5, iterations: int = 14, dtype=None,
+                         block_len: int | None = None, max_tokens: int | None = 4096, bos_id: int | None = None,
+                         progress: bool = True) -> dict:
+    """`find_ratio` for a causal LM read one decoder layer at a time: the ratio whose perplexity on `sequences`
+    (as `lm_utility` measures it) lands within `tolerance` of `target`. Each point of the bisection selects that
+    ratio's units by the streaming selection (`Ranking(..., ordered=False)`: no ranking of `max_ratio` of the
+    units kept in memory) and measures `perplexity_layerwise` with the units extracted in each layer as it is
+    read (and in the parts outside the layers, restored after); the files are never changed. Returns the search
+    as `RatioSearch.as_dict` gives it, with the original's and the chosen ratio's perplexity."""
+    from ...measure.perplexity import default_block_len, is_causal_lm, perplexity_layerwise
+    from .utility import Utility, search_ratio
+
+    cfg.validate()
+    check_layerwise(cfg)
+    map_large_allocations()
+    stream = LayerStream(Path(folder), dtype=dtype)
+    model = stream.model
+    if not is_causal_lm(model):
+        raise MLPSurgeryError("--target-utility with --layerwise calibrates a causal LM's perplexity; for a "
+                              "classifier drop --layerwise")
+    inside = tuple(stream.prefixes)
+    params = dict(model.named_parameters())
+    resident = {n: p for n, p in params.items() if not n.startswith(inside)}
+    groups = _stream_groups(stream, cfg)
+    sizes = [len(g) for g in groups]
+
+    def count(r: float) -> int:
+        return unit_count(sizes, cfg.scope, r)
+    block = block_len or default_block_len(model, 256)
+    utility = Utility(lambda m: 0.0, "perplexity", False,
+                      f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}")  # (lm_utility's)
+
+    def measure(r: float) -> tuple[float, int]:
+        extraction, n = ({}, 0) if count(r) == 0 else \
+            Ranking(groups, cfg.scope, r, ordered=False).take(r)
+        originals = extract_entries(resident, extraction)  # (--include-io)
+
+        def locked(i: int) -> None:
+            extract_entries({stream.prefixes[i] + k: p for k, p in stream.layers[i].named_parameters()}, extraction)
+
+        try:
+            ppl = perplexity_layerwise(stream, sequences, block_len=block, max_tokens=max_tokens, bos_id=bos_id,
+                                       progress=progress, work=locked).ppl
+        finally:
+            restore_entries(resident, {k: extraction[k][0] for k in originals}, originals)
+        return ppl, n
+
+    stage(f"searching the ratio that brings perplexity to {target:g} on {utility.data}, layer by layer", progress)
+    best, u_best, tol, curve = search_ratio(measure, count, sum(sizes), utility, target, tolerance, max_ratio,
+                                            iterations, progress)
+    return {"ratio": best, "utility": u_best, "within_tolerance": abs(u_best - target) <= tol, "target": target,
+            "tolerance": tol, "curve": curve, "metric": "perplexity", "data": utility.data}
 
 
 @ends_stages

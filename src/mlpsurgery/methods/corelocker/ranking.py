@@ -17,6 +17,13 @@ from .units import UnitGroup
 Extraction = dict[str, tuple[Tensor, float]]  # parameter name -> (sorted flat positions, int32 or int64; locked value)
 
 
+def unit_count(sizes: list[int], scope: str, ratio: float) -> int:
+    """Units extracted at `ratio` from groups of these sizes: of all units (global scope) or of each group."""
+    if scope == "global":
+        return int(round(ratio * sum(sizes)))
+    return sum(int(round(ratio * n)) for n in sizes)
+
+
 class Ranking:
     """The order in which units are extracted, computed once: extracting a ratio r takes the first
     round(r * n) units (globally, or of each group), so every ratio up to `max_ratio` reuses it."""
@@ -48,9 +55,7 @@ class Ranking:
 
     def count(self, ratio: float) -> int:
         """Units extracted at `ratio`."""
-        if self.scope == "global":
-            return int(round(ratio * self.n_units))
-        return sum(int(round(ratio * n)) for n in self.sizes)
+        return unit_count(self.sizes, self.scope, ratio)
 
     def take(self, ratio: float) -> tuple[Extraction, int]:
         """The parameter entries of the units extracted at `ratio`, and how many units that is."""

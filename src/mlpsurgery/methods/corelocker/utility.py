@@ -170,12 +170,24 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
     """The extraction ratio whose utility lands within `tolerance` of `target`, by bisection over
     log(ratio) on the monotone ratio -> utility curve (falling accuracy, rising perplexity). The model
     is left unchanged. Returns the closest point found when no ratio lands within the tolerance."""
-    from tqdm.auto import tqdm
-
-    tol = utility.default_tolerance(target) if tolerance is None else tolerance
     stage(f"ranking the {cfg.unit} units by {cfg.indicator} ({cfg.scope})", progress)
     ranking = Ranking(unit_groups(model, cfg), cfg.scope, max_ratio)
     stage(f"searching the ratio that brings {utility.name} to {target:g} on {utility.data}", progress)
+    best, u_best, tol, curve = search_ratio(lambda r: evaluate_at(model, ranking, r, utility, progress=progress),
+                                            ranking.count, ranking.n_units, utility, target, tolerance, max_ratio,
+                                            iterations, progress)
+    return RatioSearch(best, u_best, abs(u_best - target) <= tol, target, tol, curve, ranking)
+
+
+def search_ratio(measure: Callable[[float], tuple[float, int]], count: Callable[[float], int], n_units: int,
+                 utility: Utility, target: float, tolerance: float | None = None, max_ratio: float = 0.5,
+                 iterations: int = 14, progress: bool = True) -> tuple[float, float, float, list[dict]]:
+    """The bisection of `find_ratio` over any measurement: measure(r) -> (utility with the units of ratio r
+    extracted, units extracted); count(r): the units ratio r extracts (of n_units). Returns (best ratio, its utility,
+    the tolerance, every evaluated point by ratio); TargetNotReached when the target is out of reach."""
+    from tqdm.auto import tqdm
+
+    tol = utility.default_tolerance(target) if tolerance is None else tolerance
     sign = 1.0 if utility.higher_is_better else -1.0
 
     def side(u: float) -> int:
@@ -187,7 +199,7 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
     def point(r: float) -> float:
         # each measurement shows its own bar (tens of seconds on a real model); the finished ones stay above the
         # search's bar as a log of the points tried
-        u, n = evaluate_at(model, ranking, r, utility, progress=progress)
+        u, n = measure(r)
         curve.append({"ratio": r, "units": n, utility.name: u})
         bar.update(1)
         bar.set_postfix({"ratio": f"{r:.3g}", utility.name: f"{u:.4g}"})
@@ -209,13 +221,13 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
             if side(u_hi) > 0:
                 raise unreachable(f"extracting {max_ratio:g} of the units still leaves {utility.name} {u_hi:.4g}, "
                                   f"short of the target {target:g}; raise --max-ratio or choose another unit")
-            lo, hi = 0.5 / ranking.n_units, max_ratio
+            lo, hi = 0.5 / n_units, max_ratio
             best = max_ratio
             for _ in range(iterations):
                 mid = math.sqrt(lo * hi)
-                if ranking.count(mid) in (ranking.count(lo), ranking.count(hi)):
+                if count(mid) in (count(lo), count(hi)):
                     mid = (lo + hi) / 2
-                    if ranking.count(mid) in (ranking.count(lo), ranking.count(hi)):
+                    if count(mid) in (count(lo), count(hi)):
                         break
                 s = side(point(mid))
                 if s == 0:
@@ -226,7 +238,7 @@ def find_ratio(model: nn.Module, cfg: CoreLockerConfig, utility: Utility, target
         bar.close()
     curve.sort(key=lambda c: c["ratio"])
     u_best = next(c[utility.name] for c in curve if c["ratio"] == best)
-    return RatioSearch(best, u_best, abs(u_best - target) <= tol, target, tol, curve, ranking)
+    return best, u_best, tol, curve
 
 
 def plot_curves(curves: dict[str, list[dict]], metric: str, path: str | Path, title: str = "",
