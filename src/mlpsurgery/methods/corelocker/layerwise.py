@@ -199,9 +199,11 @@ def find_ratio_layerwise(folder: str | Path, cfg: CoreLockerConfig, sequences: l
 
     def count(r: float) -> int:
         return unit_count(sizes, cfg.scope, r)
+
     block = block_len or default_block_len(model, 256)
-    utility = Utility(lambda m: 0.0, "perplexity", False,
-                      f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}")  # (lm_utility's)
+    # the metric's name, direction, tolerance and description for search_ratio (as lm_utility's); `measure` measures
+    utility = Utility(lambda m: float("nan"), "perplexity", False,
+                      f"{max_tokens or 'all'} held-out tokens, windows of {block_len or 'up to 256'}")
 
     def measure(r: float) -> tuple[float, int]:
         extraction, n = ({}, 0) if count(r) == 0 else \
