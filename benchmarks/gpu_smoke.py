@@ -49,7 +49,8 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
     """(name, argv, output folder compared, tolerance); `w` is the device's work folder."""
     dlr = ["--layers", "0,1", "--rank", "16", "--calib-blocks", "8", "--block-len", "64", "--phase1-steps", "10",
            "--phase1-tokens", "128", "--phase1-hard-fraction", "0", "--onpolicy-steps", "0", "--phase2-steps", "2",
-           "--phase2-blocks", "4", "--phase2-batch", "2", "--top-k", "8", "--eval-tokens", "0", "--no-compile"]
+           "--phase2-blocks", "4", "--phase2-batch", "2", "--top-k", "8", "--eval-tokens", "0", "--no-compile",
+           "--no-layerwise"]  # (the default is layer by layer on the CPU, whole on a GPU: one mode on both devices)
     return [
         ("inspect", ["inspect", str(m)], None, 0),
         ("eval ppl", ["eval", "ppl", str(m), "--max-tokens", "4096", "--block-len", "256"], None, 0),
