@@ -16,6 +16,7 @@ from mlpsurgery.io import MANIFEST, load, save
 from mlpsurgery.layerwise import LayerStream
 from mlpsurgery.tensorfiles import SafetensorsWriter
 from mlpsurgery.methods.pruning import prune
+from mlpsurgery.methods.pruning_blocks_layerwise import block_prune_layerwise
 from mlpsurgery.methods.pruning_layerwise import _moment_bytes, prune_layerwise
 from mlpsurgery.models import load_model
 from mlpsurgery.sites import find_sites
@@ -149,8 +150,8 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     capsys.readouterr()
     a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # refused, exit 2, nothing written: a method that changes shapes, a cap without the mode
-    assert main(["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--layerwise",
+    # refused, exit 2, nothing written: a method with no layer-by-layer form, a cap without the mode
+    assert main(["prune", str(src), "--method", "gradual", "--sparsity", "0.5", "--layerwise",
                  "--out", str(tmp_path / "x1")]) == 2
     assert main(["prune", str(src), "--method", "wanda", "--sparsity", "0.5", "--max-memory", "2",
                  "--out", str(tmp_path / "x2")]) == 2
@@ -158,6 +159,94 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
                  "--out", str(tmp_path / "x3")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
 
+
+
+# ---- structured pruning one layer at a time (methods/pruning_blocks_layerwise.py) -------------------------
+
+def _same_folders(a_dir, b_dir):
+    a, b = file_tensors(a_dir), file_tensors(b_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
+    for key in ("source", "history", "dtype", "model_class", "modules", "config"):
+        assert ja.get(key) == jb.get(key), key
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["fisher", "random"])
+def test_layerwise_block_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, method):
+    """Fisher's backward pass layer by layer (every layer rerun on its kept inputs, the gradient handed down) gives
+    the whole model's scores, subnet, errors and folder bit for bit; encoders without a loss are refused by both."""
+    src = saved_checkpoint(tmp_path, arch)
+    data = _blocks()
+    if method == "fisher" and arch in ("bert", "roberta"):
+        with pytest.raises(MLPSurgeryError, match="no language-model loss"):
+            prune(load_model(src).model, "fisher", 0.5, data=data, blocks=4, progress=False)
+        with pytest.raises(MLPSurgeryError, match="no language-model loss"):
+            block_prune_layerwise(src, tmp_path / "lw", "fisher", 0.5, data=data, blocks=4, progress=False)
+        assert not (tmp_path / "lw").exists()
+        return
+    new, whole = prune(load_model(src).model, method, 0.5, data=data, blocks=4, progress=False)
+    save(new, tmp_path / "whole")
+    lw = block_prune_layerwise(src, tmp_path / "lw", method, 0.5, data=data, blocks=4, progress=False)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["per_layer"] == whole["per_layer"] and lw.get("fisher") == whole.get("fisher")
+    assert lw["params_after"] < lw["params_before"]
+    if method == "fisher":  # the errors are measured: a removed block costs something on every chosen layer
+        assert all(0 < row["error_rel"] < 1 for row in lw["per_layer"])
+    ids = data[:2]
+    with torch.no_grad():
+        ya, yb = load(tmp_path / "whole")(input_ids=ids), load(tmp_path / "lw")(input_ids=ids)
+    key = "logits" if "logits" in ya else "last_hidden_state"
+    assert torch.equal(ya[key], yb[key])
+
+
+@pytest.mark.parametrize("arch,depth", [("llama", {"num_hidden_layers": 5}), ("gpt2", {"n_layer": 5})])
+def test_layerwise_fisher_on_some_layers_in_bfloat16_spilled_to_disk(tmp_path, arch, depth):
+    """Layers 1 and 3 of 5 (the backward stops at the first chosen layer, whose input needs no gradient), MLP only,
+    bfloat16 shards, and a --max-memory that sends every kept activation and gradient to files: the same folder."""
+    src = saved_checkpoint(tmp_path, arch, dtype=torch.bfloat16, shard="20KB", **depth)
+    data = _blocks(n=8, t=32)
+    new, whole = prune(load_model(src, dtype="auto").model, "fisher", 0.5, parts="ffn", layers=[1, 3], data=data,
+                       blocks=4, progress=False)
+    save(new, tmp_path / "whole")
+    stream = LayerStream(src, dtype="auto")
+    fixed = stream.resident_bytes + 2 * max(stream.layer_bytes)
+    spill = tmp_path / "spill"
+    lw = block_prune_layerwise(src, tmp_path / "lw", "fisher", 0.5, parts="ffn", layers=[1, 3], data=data, blocks=4,
+                               dtype="auto", max_memory_gb=(fixed + 1) / 2**30, spill_dir=spill, progress=False)
+    assert lw["activations_on_disk"] and lw["dtype"] == "bfloat16" and not spill.exists()
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["per_layer"] == whole["per_layer"] and lw["fisher"] == whole["fisher"]
+    assert [r["layer"] for r in lw["per_layer"] if r["sparsity"] > 0] == [1, 3]
+
+
+def test_cli_prune_layerwise_fisher_and_random(tmp_path, capsys):
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+    stream = LayerStream(src)
+    cap = repr((stream.resident_bytes + 2 * max(stream.layer_bytes) + 1) / 2**30)
+    for method in ("fisher", "random"):
+        common = ["prune", str(src), "--method", method, "--sparsity", "0.5", "--blocks", "4", "--calib-blocks", "8",
+                  "--block-len", "32", "--layers", "1-2", "--quiet", "--json"]
+        assert main([*common, "--out", str(tmp_path / f"whole-{method}")]) == 0
+        capsys.readouterr()
+        # a cap of one byte above what one layer needs: Fisher's activations go to OUT.work, removed after
+        assert main([*common, "--layerwise", "--max-memory", cap, "--out", str(tmp_path / f"lw-{method}")]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layerwise"] and out["activations_on_disk"] == (method == "fisher")
+        assert not (tmp_path / f"lw-{method}.work").exists()
+        _same_folders(tmp_path / f"whole-{method}", tmp_path / f"lw-{method}")
+    # a work folder holding the user's files is refused before anything is read or written
+    (tmp_path / "x.work").mkdir()
+    (tmp_path / "x.work" / "mine.txt").write_text("keep")
+    assert main(["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--layerwise", "--quiet",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists() and (tmp_path / "x.work" / "mine.txt").read_text() == "keep"
 
 # ---- perplexity one layer at a time (LayerStream.outputs, measure.perplexity_layerwise) -------------------
 

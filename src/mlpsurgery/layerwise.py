@@ -266,14 +266,14 @@ class LayerStream:
 
     # -- activations --------------------------------------------------------------------------------------
 
-    def check_memory(self, act_bytes: int, extra: int = 0) -> bool:
-        """Whether the activations must go to disk to stay under max_memory (two sets, in and out, plus the
-        resident parts, the largest layer twice -- read and being written -- and the method's `extra`); refuses
-        when even that does not fit."""
+    def check_memory(self, act_bytes: int, extra: int = 0, sets: int = 2) -> bool:
+        """Whether the activations must go to disk to stay under max_memory (`sets` of them -- two: in and out --
+        plus the resident parts, the largest layer twice -- read and being written -- and the method's `extra`);
+        refuses when even that does not fit."""
         if self.max_memory is None:
             return False
         fixed = self.resident_bytes + 2 * max(self.layer_bytes) + extra
-        if fixed + 2 * act_bytes <= self.max_memory:
+        if fixed + sets * act_bytes <= self.max_memory:
             return False
         if fixed > self.max_memory:
             raise MLPSurgeryError(f"--max-memory {self.max_memory / GiB:.2f} GiB is below what one layer needs "
@@ -294,10 +294,12 @@ class LayerStream:
         out.copy_(t)
         return out
 
-    def layer_inputs(self, data: Tensor | list[Tensor], batch_size: int = 8, extra_bytes: int = 0) -> Activations:
+    def layer_inputs(self, data: Tensor | list[Tensor], batch_size: int = 8, extra_bytes: int = 0,
+                     sets: int = 2) -> Activations:
         """Run the model's own forward over the calibration blocks `data` (N, T) with every layer replaced by a
         recorder: the first layer's hidden-state inputs, and the arguments the model passes each layer. data may
-        also be a list of batches (each (B, T_b), lengths may differ), used as they are."""
+        also be a list of batches (each (B, T_b), lengths may differ), used as they are. sets: how many sets of
+        activations of this size the method holds at once (`check_memory`)."""
         calls: list[list] = [[] for _ in range(self.n_layers)]
         hidden: list[Tensor] = []
         last = self.n_layers - 1
@@ -328,14 +330,16 @@ class LayerStream:
             for layer in self.layers:
                 del layer.forward
         act_bytes = sum(h.numel() * h.element_size() for h in hidden)
-        self.disk = self.check_memory(act_bytes, extra_bytes)
+        self.disk = self.check_memory(act_bytes, extra_bytes, sets)
         hidden = [self._store(h, self.disk, f"in-{b}") for b, h in enumerate(hidden)]
         return Activations(hidden, calls)
 
-    def run(self, i: int, acts: Activations, keep: bool = True, tag: str = "") -> Activations | None:
+    def run(self, i: int, acts: Activations, keep: bool = True, tag: str = "",
+            keep_inputs: bool = False) -> Activations | None:
         """Layer i (materialised) over every batch: the next layer's inputs (keep=False: only for the hooks on
-        the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done. tag: a name
-        prefix for the files of a second stream of activations beside the first (e.g. through replaced layers)."""
+        the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done (unless
+        keep_inputs). tag: a name prefix for the files of a second stream of activations beside the first (e.g.
+        through replaced layers)."""
         layer = self.layers[i]
         out = []
         with torch.no_grad():
@@ -348,7 +352,7 @@ class LayerStream:
                     out.append(self._store(y, self.disk, f"{tag}layer{i}-{b}"))
         if not keep:
             return None
-        if self.disk:
+        if self.disk and not keep_inputs:
             for b in range(len(acts.hidden)):
                 (self.spill_dir / f"{'in' if i == 0 else f'{tag}layer{i - 1}'}-{b}.bin").unlink(missing_ok=True)
         return Activations(out, acts.calls)

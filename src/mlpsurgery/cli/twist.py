@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
@@ -211,29 +212,44 @@ def run_prune(args) -> dict:
 
 
 def _prune_layerwise(args, pattern) -> dict:
-    """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py)."""
+    """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py; the structured
+    methods, which change shapes: methods/pruning_blocks_layerwise.py, Fisher's activations spilled to OUT.work past
+    --max-memory)."""
     from ..data import load_corpus
+    from ..files import check_state
+    from ..io import check_out
+    from ..methods.pruning_blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
     from ..methods.pruning_layerwise import METHODS, prune_layerwise
-    from ..models import _tokenizer, checkpoint_folder, read_config, working_dtype
+    from ..models import _tokenizer, check_context, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 
-    if args.method not in METHODS:
-        raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS)}, not {args.method} (it removes whole "
-                              "blocks, changing shapes): drop --layerwise")
+    if args.method not in METHODS + BLOCKS:
+        raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS + BLOCKS)}, not {args.method}: "
+                              "drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
-    layers = parse_layers(args.layers, read_config(folder).num_hidden_layers)  # (named, as the whole command does)
+    config = read_config(folder)
+    layers = parse_layers(args.layers, config.num_hidden_layers)  # (named, as the whole command does)
     tokenizer = _tokenizer(folder)
+    work = Path(str(args.out) + ".work")
+    if args.method in BLOCKS:
+        check_out(args.out, args.overwrite, inputs=[args.model, args.data, work])
+        check_state(work, inputs=[args.model, args.data, args.out], what="work")
     blocks = None
-    if args.method in ("wanda", "sparsegpt"):
+    if args.method in ("wanda", "sparsegpt", "fisher"):
         if tokenizer is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
+        check_context(SimpleNamespace(config=config), args.block_len)  # (a config is all it reads)
         stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
         corpus = load_corpus(args.data, tokenizer)
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
-    report = prune_layerwise(folder, args.out, args.method, args.sparsity, parts=args.parts, layers=layers,
-                             data=blocks, pattern=pattern, dtype=working_dtype(), max_memory_gb=args.max_memory,
-                             tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data],
-                             source_name=name, progress=progress(args))
+    common = dict(parts=args.parts, layers=layers, data=blocks, dtype=working_dtype(), max_memory_gb=args.max_memory,
+                  tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data], source_name=name,
+                  progress=progress(args))
+    if args.method in BLOCKS:
+        report = block_prune_layerwise(folder, args.out, args.method, args.sparsity, blocks=args.blocks,
+                                       seed=args.seed, spill_dir=work, **common)
+    else:
+        report = prune_layerwise(folder, args.out, args.method, args.sparsity, pattern=pattern, **common)
     res = {**report, "out": args.out, "model": source, "layers": layers,
            "calibration": None if blocks is None else list(blocks.shape)}
     res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
@@ -348,8 +364,9 @@ def register(sub, groups) -> None:
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")
     p.add_argument("--layerwise", action="store_true",
-                   help="magnitude / wanda / sparsegpt one decoder layer at a time, read from the checkpoint's "
-                        "safetensors files: memory of one layer, not the model (the same result; docs/memory.md)")
+                   help="one decoder layer at a time, read from the checkpoint's safetensors files: memory of one "
+                        "layer, not the model (the same result; docs/memory.md). Fisher's backward pass goes layer "
+                        "by layer too, over the kept inputs of every layer")
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")

@@ -439,6 +439,7 @@ def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, pr
 
     if data is None or data.dim() != 2 or len(data) == 0:
         raise MLPSurgeryError("Fisher block pruning needs calibration blocks: a non-empty (N, T) tensor of token ids")
+    check_lm_loss(model)
     sites = find_sites(model)
     device = next(model.parameters()).device
     gates: dict[tuple[str, int], Tensor] = {}
@@ -471,6 +472,16 @@ def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, pr
             p.requires_grad_(True)
         model.train(was_training)
     return fisher
+
+
+def check_lm_loss(model: nn.Module) -> None:
+    """Refuse a model whose forward computes no loss from labels (an encoder without a head): Fisher block pruning
+    differentiates the language-model loss."""
+    import inspect
+
+    if "labels" not in inspect.signature(model.forward).parameters:
+        raise MLPSurgeryError(f"{type(model).__name__} computes no language-model loss, which Fisher block pruning "
+                              "differentiates: use a causal LM checkpoint, or --method random")
 
 
 def fisher_subnet(fisher: dict[tuple[str, int], Tensor], layout):
@@ -513,30 +524,10 @@ def removal_errors(model: nn.Module, data: Tensor, layout, subnet, batch_size: i
     ||W x||^2) summed over tokens. Removing a block removes exactly its input features of these projections
     (its q / k / v rows and up / gate rows only feed them), so this is the error of each sub-block's output."""
     from ..capture import _StopForward
-    from .twist import attn_feature_blocks, mlp_feature_blocks
 
     sites = find_sites(model)
-    device = next(model.parameters()).device
     sums: dict[int, dict[str, list[float]]] = {}
-    handles = []
-
-    def hook(i: int, name: str, W: Tensor, removed: Tensor):
-        def fn(mod, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            acc = sums.setdefault(i, {}).setdefault(name, [0.0, 0.0])
-            acc[0] += float((x[:, removed] @ W[:, removed].T).pow(2).sum())
-            acc[1] += float((x @ W.T).pow(2).sum())
-        return fn
-
-    for i, kept in subnet.attn.items():
-        W, _ = linear_weight(sites.attn[i].o_proj)
-        removed = ~torch.isin(attn_feature_blocks(sites.attn[i]), torch.tensor(kept)).to(device)
-        handles.append(sites.attn[i].o_proj.register_forward_pre_hook(hook(i, "attn.o", W.detach().float(), removed)))
-    for i, kept in subnet.mlp.items():
-        W, _ = linear_weight(sites.mlp[i].down_proj)
-        removed = ~torch.isin(mlp_feature_blocks(layout.mlp_h[i], layout.R), torch.tensor(kept)).to(device)
-        handles.append(sites.mlp[i].down_proj.register_forward_pre_hook(
-            hook(i, "ffn.down", W.detach().float(), removed)))
+    handles = removal_hooks(sites, layout, subnet, sums)
     last = max([*subnet.attn, *subnet.mlp], default=None)
     if last is None:
         return {}
@@ -547,6 +538,33 @@ def removal_errors(model: nn.Module, data: Tensor, layout, subnet, batch_size: i
     handles.append(sites.mlp[last].layer.register_forward_hook(stop))  # nothing after the last layer is needed
     _calibration_pass(model, data, handles, batch_size, progress, desc="removal error")
     return {i: {n: (v[0], v[1]) for n, v in d.items()} for i, d in sums.items()}
+
+
+def removal_hooks(sites, layout, subnet, sums: dict) -> list:
+    """Forward pre-hooks on the attention o / MLP down projections of `subnet`'s layers that add, per batch, each
+    layer's (||W_removed x_removed||^2, ||W x||^2) to sums[layer][projection] (the layer-by-layer mode hooks one
+    layer at a time with a one-layer subnet). Returns the handles."""
+    from .twist import attn_feature_blocks, mlp_feature_blocks
+
+    def hook(i: int, name: str, W: Tensor, removed: Tensor):
+        def fn(mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            acc = sums.setdefault(i, {}).setdefault(name, [0.0, 0.0])
+            acc[0] += float((x[:, removed] @ W[:, removed].T).pow(2).sum())
+            acc[1] += float((x @ W.T).pow(2).sum())
+        return fn
+
+    handles = []
+    for i, kept in subnet.attn.items():
+        W, _ = linear_weight(sites.attn[i].o_proj)
+        removed = ~torch.isin(attn_feature_blocks(sites.attn[i]), torch.tensor(kept)).to(W.device)
+        handles.append(sites.attn[i].o_proj.register_forward_pre_hook(hook(i, "attn.o", W.detach().float(), removed)))
+    for i, kept in subnet.mlp.items():
+        W, _ = linear_weight(sites.mlp[i].down_proj)
+        removed = ~torch.isin(mlp_feature_blocks(layout.mlp_h[i], layout.R), torch.tensor(kept)).to(W.device)
+        handles.append(sites.mlp[i].down_proj.register_forward_pre_hook(
+            hook(i, "ffn.down", W.detach().float(), removed)))
+    return handles
 
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "fisher", "random")

@@ -36,6 +36,28 @@ def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: in
     before = count_params(model)
     layout, subnet, settings = deployment(model, keep, blocks, parts, attn_keep, None, shared_first, shared_last,
                                           seed)
+    write_subnet(stream, out, layout, subnet, rescale,
+                 ("twist-extract", {**settings, "rescale": rescale}, {"seed": seed, "subnet": subnet.as_dict()}),
+                 f"subnet of seed {seed} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
+                 source_name=source_name, progress=progress)
+    after = count_params(model)
+    entry = model._mlpsurgery_history[-1]
+    return {"config": entry["config"], "subnet": entry["provenance"]["subnet"], "params_before": before["total"],
+            "params_after": after["total"], "attention_params": [before["attention"], after["attention"]],
+            "mlp_params": [before["mlp"], after["mlp"]], "plain_transformers": not replaced_modules(model),
+            "layerwise": True,
+            "dtype": str(stream.dtype).removeprefix("torch.")}
+
+
+def write_subnet(stream: LayerStream, out: str | Path, layout, subnet, rescale: bool, entry: tuple[str, dict, dict],
+                 desc: str, tokenizer=None, overwrite: bool = False, inputs=(), source_name: str | None = None,
+                 progress: bool = True) -> None:
+    """Write `subnet` of `stream`'s model to `out`, one source layer read at a time: the result's structure is built
+    once on the meta device, each of its layers filled from the source layer (`subsets.fill_layer`, the whole-model
+    path's code; sqrt(N_full/N_sub) folded in if `rescale`) and put in the source layer's place as it is written.
+    entry: (kind, config, provenance) that `io.record` writes into the history. `stream.model` holds the subnet's
+    structure (on the meta device) after."""
+    model = stream.model
     plan = plan_subsets(model, *layout.subset_args(subnet))
     new = subset_skeleton(model, plan, empty=True)
     new_sites = find_sites(new)
@@ -67,14 +89,8 @@ def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: in
         for i, layer in enumerate(stream.layers):  # what the layers hold now is the subnet's structure
             if layer is not new_layers[i]:
                 raise MLPSurgeryError(f"internal: layer {i} was not rewritten")
-        record(model, "twist-extract", {**settings, "rescale": rescale}, seed=seed, subnet=subnet.as_dict())
+        kind, config, provenance = entry
+        record(model, kind, config, **provenance)
 
-    rewrite(stream, out, work, f"subnet of seed {seed} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
-            inputs=inputs, source_name=source_name, progress=progress, finish=finish)
-    after = count_params(model)
-    entry = model._mlpsurgery_history[-1]
-    return {"config": entry["config"], "subnet": entry["provenance"]["subnet"], "params_before": before["total"],
-            "params_after": after["total"], "attention_params": [before["attention"], after["attention"]],
-            "mlp_params": [before["mlp"], after["mlp"]], "plain_transformers": not replaced_modules(model),
-            "layerwise": True,
-            "dtype": str(stream.dtype).removeprefix("torch.")}
+    rewrite(stream, out, work, desc, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
+            source_name=source_name, progress=progress, finish=finish)
