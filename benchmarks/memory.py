@@ -141,6 +141,10 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
                                          "--out", str(w / "wanda-lw")]),
         ("prune sparsegpt 50% --layerwise", ["prune", model, *d, "--method", "sparsegpt", "--sparsity", "0.5",
                                              "--layerwise", "--out", str(w / "sparsegpt-lw")]),
+        # Fisher block pruning: a backward pass of the whole model, or one layer at a time over every layer's inputs
+        ("prune fisher 50%", ["prune", model, *d, "--method", "fisher", "--sparsity", "0.5", "--out", str(w / "fisher")]),
+        ("prune fisher 50% --layerwise", ["prune", model, *d, "--method", "fisher", "--sparsity", "0.5", "--layerwise",
+                                          "--out", str(w / "fisher-lw")]),
         ("lock key --ratio 0.05", ["lock", "key", model, *d, "--ratio", "0.05", "--out", str(w / "locked"),
                                    "--key", str(w / "key.bin")]),
         ("lock key --ratio 0.05 --layerwise", ["lock", "key", model, *d, "--ratio", "0.05", "--layerwise",
