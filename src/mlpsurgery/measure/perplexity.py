@@ -96,7 +96,7 @@ def perplexity(model: nn.Module, sequences: list[Tensor] | Tensor, block_len: in
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for g, group in enumerate(tqdm(plan.groups, desc="perplexity", unit="batch", disable=not progress)):
+        for g in tqdm(range(len(plan.groups)), desc="perplexity", unit="batch", disable=not progress):
             ids = plan.ids(g).to(device)
             plan.score(g, model(input_ids=ids).logits, ids)
     model.train(was_training)
