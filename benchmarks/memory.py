@@ -127,6 +127,14 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
                                                                       "--layers", "all", "--out", str(w / "fused")]),
         (f"fuse {' '.join(how + [''])}--width {width} --layers all --layerwise",
          ["fuse", model, *d, *how, "--width", str(width), "--layers", "all", "--layerwise", "--out", str(w / "fused-lw")]),
+        # layer-wise tuning on 16 blocks of 128 tokens of the bundled text: every layer's pairs captured and tuned in
+        # one model, or each layer captured and tuned as it is read
+        (f"fuse {' '.join(how + [''])}--width {width} --layers all --tune-data austen --tune-blocks 16",
+         ["fuse", model, *d, *how, "--width", str(width), "--layers", "all", "--tune-data", "austen", "--tune-blocks",
+          "16", "--out", str(w / "fused-tuned")]),
+        (f"fuse {' '.join(how + [''])}--width {width} --layers all --tune-data austen --tune-blocks 16 --layerwise",
+         ["fuse", model, *d, *how, "--width", str(width), "--layers", "all", "--tune-data", "austen", "--tune-blocks",
+          "16", "--layerwise", "--out", str(w / "fused-tuned-lw")]),
         ("nest (SVD of every MLP projection)", ["nest", model, *d, "--out", str(w / "nested")]),
         ("nest (SVD of every MLP projection) --layerwise", ["nest", model, *d, "--layerwise",
                                                             "--out", str(w / "nested-lw")]),

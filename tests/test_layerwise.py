@@ -220,6 +220,10 @@ def test_layerwise_fisher_on_some_layers_in_bfloat16_spilled_to_disk(tmp_path, a
     _same_folders(tmp_path / "whole", tmp_path / "lw")
     assert lw["per_layer"] == whole["per_layer"] and lw["fisher"] == whole["fisher"]
     assert [r["layer"] for r in lw["per_layer"] if r["sparsity"] > 0] == [1, 3]
+    with pytest.raises(MLPSurgeryError, match="spill_dir"):  # a cap with nowhere to spill: refused, nothing written
+        block_prune_layerwise(src, tmp_path / "nowhere", "fisher", 0.5, data=data, blocks=4, max_memory_gb=1,
+                              progress=False)
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_cli_prune_layerwise_fisher_and_random(tmp_path, capsys):

@@ -245,7 +245,8 @@ def register(sub, groups) -> None:
     p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
     p.add_argument("--layerwise", action="store_true",
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
-                   "embeddings); the same folder as without it; data-free methods only (no --tune-data)")
+                   "embeddings); the same folder as without it. With --tune-data each layer is tuned as it is read "
+                   "(its pairs captured into OUT.work, removed after)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(groups["eval"], "ntk", run_ntk, render_ntk,

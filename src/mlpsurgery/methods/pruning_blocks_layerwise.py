@@ -61,6 +61,9 @@ def block_prune_layerwise(folder: str | Path, out: str | Path, method: str, spar
     if method == "fisher" and (data is None or data.dim() != 2 or len(data) == 0):
         raise MLPSurgeryError("Fisher block pruning needs calibration blocks: a non-empty (N, T) tensor of token ids "
                               "(--data and --calib-blocks on the command line)")
+    if method == "fisher" and max_memory_gb is not None and spill_dir is None:
+        raise MLPSurgeryError("a memory cap for Fisher pruning layer by layer needs a folder for the activations it "
+                              "sends to disk (spill_dir)")
     keep = keep_for_sparsity(sparsity, blocks)
     stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
                          spill_dir=None if spill_dir is None else Path(spill_dir))
