@@ -150,15 +150,14 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     capsys.readouterr()
     a, b = file_tensors(tmp_path / "whole"), file_tensors(tmp_path / "lw")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # refused, exit 2, nothing written: a method with no layer-by-layer form, a cap without the mode
-    assert main(["prune", str(src), "--method", "gradual", "--sparsity", "0.5", "--layerwise",
+    # refused, exit 2, nothing written: an N:M pattern for a method that removes blocks, a cap without the mode
+    assert main(["prune", str(src), "--method", "fisher", "--pattern", "2:4", "--layerwise",
                  "--out", str(tmp_path / "x1")]) == 2
     assert main(["prune", str(src), "--method", "wanda", "--sparsity", "0.5", "--max-memory", "2",
                  "--out", str(tmp_path / "x2")]) == 2
     assert main(["prune", "tiny:llama", "--method", "wanda", "--sparsity", "0.5", "--layerwise",
                  "--out", str(tmp_path / "x3")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
-
 
 
 # ---- structured pruning one layer at a time (methods/pruning_blocks_layerwise.py) -------------------------
@@ -251,6 +250,7 @@ def test_cli_prune_layerwise_fisher_and_random(tmp_path, capsys):
     assert main(["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--layerwise", "--quiet",
                  "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists() and (tmp_path / "x.work" / "mine.txt").read_text() == "keep"
+
 
 # ---- perplexity one layer at a time (LayerStream.outputs, measure.perplexity_layerwise) -------------------
 

@@ -219,13 +219,10 @@ def _prune_layerwise(args, pattern) -> dict:
     from ..files import check_state
     from ..io import check_out
     from ..methods.pruning_blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
-    from ..methods.pruning_layerwise import METHODS, prune_layerwise
+    from ..methods.pruning_layerwise import prune_layerwise
     from ..models import _tokenizer, check_context, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 
-    if args.method not in METHODS + BLOCKS:
-        raise MLPSurgeryError(f"--layerwise prunes with {', '.join(METHODS + BLOCKS)}, not {args.method}: "
-                              "drop --layerwise")
     folder, source, name = checkpoint_folder(args.model)
     config = read_config(folder)
     layers = parse_layers(args.layers, config.num_hidden_layers)  # (named, as the whole command does)
