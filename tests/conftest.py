@@ -75,6 +75,22 @@ def file_tensors(folder):
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def assert_same_folders(a_dir, b_dir, keys=("source", "history", "masks", "dtype", "model_class", "modules")):
+    """Two saved folders hold the same tensors (bit for bit, same dtypes) and the same manifest entries `keys`."""
+    import json
+
+    from mlpsurgery.io import MANIFEST
+
+    a, b = file_tensors(a_dir), file_tensors(b_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
+    for key in keys:
+        assert ja.get(key) == jb.get(key), key
+    return ja
+
+
 def outputs(model, ids):
     """Logits of a causal LM, last hidden state of an encoder."""
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import file_tensors, saved_checkpoint
+from conftest import assert_same_folders, file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import MANIFEST, load, save
 from mlpsurgery.layerwise import LayerStream
@@ -163,13 +163,7 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
 # ---- structured pruning one layer at a time (methods/pruning_blocks_layerwise.py) -------------------------
 
 def _same_folders(a_dir, b_dir):
-    a, b = file_tensors(a_dir), file_tensors(b_dir)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
-    for key in ("source", "history", "dtype", "model_class", "modules", "config"):
-        assert ja.get(key) == jb.get(key), key
+    assert_same_folders(a_dir, b_dir, keys=("source", "history", "masks", "dtype", "model_class", "modules", "config"))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

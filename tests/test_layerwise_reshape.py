@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import file_tensors, saved_checkpoint
+from conftest import assert_same_folders, file_tensors, saved_checkpoint
 from mlpsurgery.errors import MLPSurgeryError
-from mlpsurgery.io import MANIFEST, load, save
+from mlpsurgery.io import load, save
 from mlpsurgery.tensorfiles import SafetensorsAppender, header_reserve
 from mlpsurgery.methods.fusion import FusionConfig, fuse
 from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
@@ -22,13 +22,7 @@ from mlpsurgery.tiny import ARCHITECTURES
 
 
 def _same_folders(a_dir, b_dir, method="fusion"):
-    a, b = file_tensors(a_dir), file_tensors(b_dir)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
-    for key in ("source", "history", "masks", "dtype", "model_class", "modules"):
-        assert ja[key] == jb[key], key
+    ja = assert_same_folders(a_dir, b_dir)
     assert ja["modules"] and ja["history"][-1]["method"] == method  # something was replaced
 
 

@@ -316,7 +316,7 @@ class LayerStream:
 
         for j, layer in enumerate(self.layers):
             layer.forward = functools.partial(recorder, j)
-        kw = {"use_cache": False} if getattr(self.model.config, "use_cache", None) is not None else {}
+        kw = self.call_kwargs()
         try:
             batches = data if isinstance(data, list) else \
                 [data[b:b + batch_size] for b in range(0, len(data), batch_size)]
@@ -376,23 +376,31 @@ class LayerStream:
                 acts = self.run(i, acts)
             finally:
                 self.release(i)
-        kw = {"use_cache": False} if getattr(self.model.config, "use_cache", None) is not None else {}
         results = []
         for b, x in enumerate(batches):
-            final = acts.hidden[b]
-
-            def last(*args, _final=final, **kwargs):
-                return (_final,) if self.tuple_out else _final
-
-            for layer in self.layers:
-                layer.forward = last
-            try:
-                with torch.no_grad():
-                    results.append(fn(b, self.model(input_ids=x, **kw)))
-            finally:
-                for layer in self.layers:
-                    del layer.forward
+            with self.past_layers(acts.hidden[b]), torch.no_grad():
+                results.append(fn(b, self.model(input_ids=x, **self.call_kwargs())))
         return results
+
+    @contextlib.contextmanager
+    def past_layers(self, final: Tensor):
+        """While open, every decoder layer returns `final` (a batch's last hidden state, from a run layer by layer),
+        so that the model's own forward computes on it only what follows the layers: final norm, head, soft-capping,
+        loss."""
+        def last(*args, **kwargs):
+            return (final,) if self.tuple_out else final
+
+        for layer in self.layers:
+            layer.forward = last
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward
+
+    def call_kwargs(self) -> dict:
+        """What the model's forward is given beside the ids (no cache, where it has one)."""
+        return {"use_cache": False} if getattr(self.model.config, "use_cache", None) is not None else {}
 
     # -- the output file ----------------------------------------------------------------------------------
 

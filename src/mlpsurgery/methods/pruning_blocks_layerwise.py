@@ -209,24 +209,12 @@ def _loss_gradients(stream: LayerStream, batches: list[Tensor], final: list[Tens
     """Per batch, the gradient of the model's own loss (labels = the input ids, as block_fisher) at the last layer's
     output: the model's forward runs with every layer returning that batch's stored output, so the final norm, head
     and loss are the model's own code."""
-    model = stream.model
-    kw = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
     out = []
     for b, x in enumerate(batches):
         f = final[b].detach().requires_grad_(True)
-
-        def last(*args, _f=f, **kwargs):
-            return (_f,) if stream.tuple_out else _f
-
-        for layer in stream.layers:
-            layer.forward = last
-        try:
-            with torch.enable_grad():
-                loss = model(input_ids=x, labels=x, **kw).loss
-                (g,) = torch.autograd.grad(loss, [f])
-        finally:
-            for layer in stream.layers:
-                del layer.forward
+        with stream.past_layers(f), torch.enable_grad():
+            loss = stream.model(input_ids=x, labels=x, **stream.call_kwargs()).loss
+            (g,) = torch.autograd.grad(loss, [f])
         out.append(stream._store(g, stream.disk, f"grad{stream.n_layers}-{b}"))
     return out
 
