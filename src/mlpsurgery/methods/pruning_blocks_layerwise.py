@@ -169,19 +169,19 @@ def layer_fisher(stream: LayerStream, data: Tensor, layout, batch_size: int = 4,
                     below.append(stream._store(got[-1].detach(), stream.disk, f"grad{i}-{b}"))
                 del got, y, x
         finally:
-            for h in handles:
-                h.remove()
-        # this layer's blocks, and what removing the others costs on the same inputs
-        one = fisher_subnet({k: v for k, v in fisher.items() if k[1] == i}, _OneLayer(layout, i))
-        hooks = removal_hooks(sites, layout, one, sums)
-        try:
-            with torch.no_grad():
-                for b, h in enumerate(kept[i]):
-                    args, kwargs = calls[i][b]
-                    layer(h, *args, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
+            for hook in handles:
+                hook.remove()
+        if keys:  # a chosen layer: its blocks, and what removing the others costs on the same inputs
+            one = fisher_subnet({k: v for k, v in fisher.items() if k[1] == i}, _OneLayer(layout, i))
+            hooks = removal_hooks(sites, layout, one, sums)
+            try:
+                with torch.no_grad():
+                    for b, h in enumerate(kept[i]):
+                        args, kwargs = calls[i][b]
+                        layer(h, *args, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
         stream.release(i)
         _forget(stream, grads, f"grad{i + 1}")
         _forget(stream, kept.pop(i), "in" if i == 0 else f"layer{i - 1}")
