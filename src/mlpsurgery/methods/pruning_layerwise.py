@@ -38,8 +38,8 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
     """Prune the checkpoint in `folder` layer by layer and save the result to `out` (what `prune` then `save`
     write); returns prune's report. Only magnitude (per matrix), Wanda and SparseGPT (sequential calibration)."""
     if method not in METHODS:
-        raise MLPSurgeryError(f"the layer-sequential mode prunes with {', '.join(METHODS)}, not {method!r} (Fisher "
-                              "blocks and random subnets change shapes: drop --layerwise)")
+        raise MLPSurgeryError(f"prune_layerwise prunes with {', '.join(METHODS)}, not {method!r} (Fisher blocks and "
+                              "random subnets change shapes: pruning_blocks_layerwise.block_prune_layerwise)")
     if parts not in PARTS:
         raise MLPSurgeryError(f"parts must be one of {', '.join(PARTS)}, not {parts!r}")
     if isinstance(pattern, str):
