@@ -355,9 +355,9 @@ def _load_read(folder: Path, klass, task: str, dtype) -> nn.Module | None:
     return model
 
 
-def context_length(model: nn.Module) -> int | None:
-    """The most positions the model's config allows (None when it states no limit)."""
-    cfg = getattr(model, "config", None)
+def context_length(model) -> int | None:
+    """The most positions the model's config allows (None when it states no limit); `model` may be the config."""
+    cfg = getattr(model, "config", model)
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         v = getattr(cfg, key, None)
         if isinstance(v, int) and v > 0:
@@ -365,9 +365,9 @@ def context_length(model: nn.Module) -> int | None:
     return None
 
 
-def check_context(model: nn.Module, n: int, flag: str = "--block-len") -> None:
+def check_context(model, n: int, flag: str = "--block-len") -> None:
     """Refuse a sequence length beyond the model's positions before any work is done (positional embeddings
-    would fail with an IndexError, rotary ones silently degrade)."""
+    would fail with an IndexError, rotary ones silently degrade); `model` may be its config."""
     limit = context_length(model)
     if limit is not None and n > limit:
         raise MLPSurgeryError(f"{flag} {n} exceeds the model's context of {limit} positions; give {flag} {limit} "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
@@ -235,7 +234,7 @@ def _prune_layerwise(args, pattern) -> dict:
     if args.method in ("wanda", "sparsegpt", "fisher"):
         if tokenizer is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
-        check_context(SimpleNamespace(config=config), args.block_len)  # (a config is all it reads)
+        check_context(config, args.block_len)
         stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
         corpus = load_corpus(args.data, tokenizer)
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)

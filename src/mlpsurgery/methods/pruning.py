@@ -435,23 +435,11 @@ def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, pr
                  ) -> dict[tuple[str, int], Tensor]:
     """Empirical Fisher of every block (paper §5 "Block Prune", after Michel et al. 2019): a gate m_b = 1 on
     each block's contribution to the output projection; importance = sum over batches of (dL/dm_b)^2."""
-    from .twist import attn_feature_blocks, gate_inputs, mlp_feature_blocks
-
     if data is None or data.dim() != 2 or len(data) == 0:
         raise MLPSurgeryError("Fisher block pruning needs calibration blocks: a non-empty (N, T) tensor of token ids")
     check_lm_loss(model)
-    sites = find_sites(model)
     device = next(model.parameters()).device
-    gates: dict[tuple[str, int], Tensor] = {}
-    handles = []
-    for i, n in layout.attn_full.items():
-        g = gates[("attn", i)] = torch.ones(n, device=device, requires_grad=True)
-        fb = attn_feature_blocks(sites.attn[i]).to(device)
-        handles.append(gate_inputs(sites.attn[i].o_proj, lambda g=g, fb=fb: g[fb]))
-    for i, h in layout.mlp_h.items():
-        g = gates[("ffn", i)] = torch.ones(layout.R, device=device, requires_grad=True)
-        fb = mlp_feature_blocks(h, layout.R).to(device)
-        handles.append(gate_inputs(sites.mlp[i].down_proj, lambda g=g, fb=fb: g[fb]))
+    gates, handles = fisher_gates(find_sites(model), layout, device)
     fisher = {k: torch.zeros_like(g) for k, g in gates.items()}
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
@@ -474,6 +462,27 @@ def block_fisher(model: nn.Module, data: Tensor, layout, batch_size: int = 4, pr
     return fisher
 
 
+def fisher_gates(sites, layout, device, layers=None) -> tuple[dict[tuple[str, int], Tensor], list]:
+    """The gates m = 1 Fisher differentiates, one per block, on the input features of each chosen layer's attention
+    o / MLP down projection (of `layers` only, if given): ({("attn" | "ffn", layer): gates}, attention first, by
+    layer; the hook handles)."""
+    from .twist import attn_feature_blocks, gate_inputs, mlp_feature_blocks
+
+    gates: dict[tuple[str, int], Tensor] = {}
+    handles = []
+    for i, n in layout.attn_full.items():
+        if layers is None or i in layers:
+            g = gates[("attn", i)] = torch.ones(n, device=device, requires_grad=True)
+            fb = attn_feature_blocks(sites.attn[i]).to(device)
+            handles.append(gate_inputs(sites.attn[i].o_proj, lambda g=g, fb=fb: g[fb]))
+    for i, h in layout.mlp_h.items():
+        if layers is None or i in layers:
+            g = gates[("ffn", i)] = torch.ones(layout.R, device=device, requires_grad=True)
+            fb = mlp_feature_blocks(h, layout.R).to(device)
+            handles.append(gate_inputs(sites.mlp[i].down_proj, lambda g=g, fb=fb: g[fb]))
+    return gates, handles
+
+
 def check_lm_loss(model: nn.Module) -> None:
     """Refuse a model whose forward computes no loss from labels (an encoder without a head): Fisher block pruning
     differentiates the language-model loss."""
@@ -484,16 +493,19 @@ def check_lm_loss(model: nn.Module) -> None:
                               "differentiates: use a causal LM checkpoint, or --method random")
 
 
-def fisher_subnet(fisher: dict[tuple[str, int], Tensor], layout):
-    """Per layer, the N_sub blocks of highest Fisher (scores from `block_fisher`, possibly computed once for a
-    wider layout and reused across sparsities)."""
+def fisher_subnet(fisher: dict[tuple[str, int], Tensor], layout, layers=None):
+    """Per layer (of `layers` only, if given), the N_sub blocks of highest Fisher (scores from `block_fisher`,
+    possibly computed once for a wider layout and reused across sparsities)."""
     from .twist import Subnet
 
     def top(scores: Tensor, k: int) -> list[int]:
         return sorted(scores.topk(k).indices.tolist())
 
-    return Subnet(attn={i: top(fisher[("attn", i)], layout.attn_sub[i]) for i in layout.attn_full},
-                  mlp={i: top(fisher[("ffn", i)], layout.ffn_sub) for i in layout.mlp_h})
+    def chosen(full):
+        return [i for i in full if layers is None or i in layers]
+
+    return Subnet(attn={i: top(fisher[("attn", i)], layout.attn_sub[i]) for i in chosen(layout.attn_full)},
+                  mlp={i: top(fisher[("ffn", i)], layout.ffn_sub) for i in chosen(layout.mlp_h)})
 
 
 def fisher_block_prune(model: nn.Module, data: Tensor, keep: int, blocks: int = 12, parts: str = "both",
@@ -515,6 +527,10 @@ def fisher_block_prune(model: nn.Module, data: Tensor, keep: int, blocks: int = 
     return new, {"method": "fisher", "parts": parts, **config,
                  "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()},
                  "errors": errors}
+
+
+FISHER_ERROR_INPUTS = ("the calibration blocks through the dense model: the output of each layer's attention o / MLP "
+                       "down projection without the removed blocks' input features")
 
 
 def removal_errors(model: nn.Module, data: Tensor, layout, subnet, batch_size: int = 4,
@@ -617,8 +633,7 @@ def prune(model: nn.Module, method: str, sparsity: float | None, parts: str = "b
     if method == "fisher":
         new, report = fisher_block_prune(model, data, keep, blocks, parts, layers, progress=progress)
         errors = report.pop("errors")
-        report["error_inputs"] = ("the calibration blocks through the dense model: the output of each layer's "
-                                  "attention o / MLP down projection without the removed blocks' input features")
+        report["error_inputs"] = FISHER_ERROR_INPUTS
     else:
         from .twist import twist_extract
 

@@ -15,7 +15,7 @@ goes one layer at a time, the layer-wise form of activation checkpointing:
 2. the loss's gradient at the last layer's output, from the model's own final norm, head and loss (its forward
    run with every layer returning the stored output);
 3. backward: layer L-1, ..., first chosen, each read again and run once more on its stored inputs with the
-   gates m = 1 on its output projections' input features (`gate_inputs`, as block_fisher); autograd gives the
+   gates m = 1 on its output projections' input features (`fisher_gates`, as block_fisher); autograd gives the
    gradient at its input (for the layer below) and at its gates, whose squares are summed over batches as
    block_fisher sums them. The layer's blocks are then chosen (`fisher_subnet`, per layer) and what removing
    the others costs measured on the same inputs (`removal_hooks`, as removal_errors).
@@ -26,7 +26,6 @@ parts, the calibration inputs of every layer worked on (on disk past max_memory)
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -38,7 +37,8 @@ from ..files import claim, remove_ours
 from ..layerwise import LayerStream
 from ..measure.cost import count_params
 from ..sites import find_sites
-from .pruning import _layer_sizes, _per_layer, check_lm_loss, fisher_subnet, keep_for_sparsity, removal_hooks
+from .pruning import (FISHER_ERROR_INPUTS, _layer_sizes, _per_layer, check_lm_loss, fisher_gates, fisher_subnet,
+                      keep_for_sparsity, removal_hooks)
 
 METHODS = ("fisher", "random")
 
@@ -93,8 +93,7 @@ def block_prune_layerwise(folder: str | Path, out: str | Path, method: str, spar
         entry = ("fisher-block-prune", config, {"calibration": list(data.shape), "subnet": subnet.as_dict()})
         report = {"method": "fisher", "parts": parts, **config,
                   "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()},
-                  "error_inputs": ("the calibration blocks through the dense model: the output of each layer's "
-                                   "attention o / MLP down projection without the removed blocks' input features")}
+                  "error_inputs": FISHER_ERROR_INPUTS}
     write_subnet(stream, out, layout, subnet, method == "random", entry, f"{method} blocks (layer by layer)",
                  tokenizer=tokenizer, overwrite=overwrite, inputs=inputs, source_name=source_name,
                  progress=progress)
@@ -110,8 +109,6 @@ def layer_fisher(stream: LayerStream, data: Tensor, layout, batch_size: int = 4,
                  ) -> tuple[dict[tuple[str, int], Tensor], dict[int, dict[str, tuple[float, float]]]]:
     """`pruning.block_fisher` and `pruning.removal_errors` (of the subnet `fisher_subnet` chooses) one layer at a
     time, by the backward pass layer by layer described above: (scores, errors)."""
-    from .twist import attn_feature_blocks, gate_inputs, mlp_feature_blocks
-
     model, n = stream.model, stream.n_layers
     sites = find_sites(model)
     chosen = sorted({*layout.attn_full, *layout.mlp_h})
@@ -140,16 +137,9 @@ def layer_fisher(stream: LayerStream, data: Tensor, layout, batch_size: int = 4,
     for i in tqdm(range(n - 1, lo - 1, -1), desc="fisher: backward (layer by layer)", unit="layer",
                   disable=not progress):
         layer = stream.materialise(i)
-        gates, handles = {}, []
+        handles = []
         try:
-            if i in layout.attn_full:
-                g = gates[("attn", i)] = torch.ones(layout.attn_full[i], requires_grad=True)
-                handles.append(gate_inputs(sites.attn[i].o_proj,
-                                           functools.partial(_take, g, attn_feature_blocks(sites.attn[i]))))
-            if i in layout.mlp_h:
-                g = gates[("ffn", i)] = torch.ones(layout.R, requires_grad=True)
-                handles.append(gate_inputs(sites.mlp[i].down_proj,
-                                           functools.partial(_take, g, mlp_feature_blocks(layout.mlp_h[i], layout.R))))
+            gates, handles = fisher_gates(sites, layout, kept[i][0].device, layers=(i,))
             keys = list(gates)
             for k in keys:
                 fisher[k] = torch.zeros_like(gates[k])
@@ -172,8 +162,7 @@ def layer_fisher(stream: LayerStream, data: Tensor, layout, batch_size: int = 4,
             for hook in handles:
                 hook.remove()
         if keys:  # a chosen layer: its blocks, and what removing the others costs on the same inputs
-            one = fisher_subnet({k: v for k, v in fisher.items() if k[1] == i}, _OneLayer(layout, i))
-            hooks = removal_hooks(sites, layout, one, sums)
+            hooks = removal_hooks(sites, layout, fisher_subnet(fisher, layout, layers=(i,)), sums)
             try:
                 with torch.no_grad():
                     for b, h in enumerate(kept[i]):
@@ -189,20 +178,6 @@ def layer_fisher(stream: LayerStream, data: Tensor, layout, batch_size: int = 4,
     order = sorted(fisher, key=lambda k: (k[0] != "attn", k[1]))  # block_fisher's: attention first, by layer
     return ({k: fisher[k] for k in order},
             {i: {k: (v[0], v[1]) for k, v in sums[i].items()} for i in sorted(sums)})
-
-
-def _take(g: Tensor, blocks: Tensor) -> Tensor:
-    return g[blocks]
-
-
-class _OneLayer:
-    """The part of a layout `fisher_subnet` reads, for one layer."""
-
-    def __init__(self, layout, i: int):
-        self.attn_full = {i: layout.attn_full[i]} if i in layout.attn_full else {}
-        self.attn_sub = {i: layout.attn_sub[i]} if i in layout.attn_full else {}
-        self.mlp_h = {i: layout.mlp_h[i]} if i in layout.mlp_h else {}
-        self.ffn_sub = layout.ffn_sub
 
 
 def _loss_gradients(stream: LayerStream, batches: list[Tensor], final: list[Tensor]) -> list[Tensor]:
