@@ -11,6 +11,12 @@ time; the tuning's MSE before / after and every layer's error in both runs, and 
 --what attack: `mlpsurgery attack dlr LOCKED` (its fine-tuning runs sharded with FSDP2; a locked folder made by
 `mlpsurgery lock dlr`, --locked). Per attack run: one rank's step peak memory and seconds against one process's, the
 training and held-out losses of both; per process: peak resident memory and wall time.
+--what phase2-only: `mlpsurgery lock dlr LOCKED --phase2-only` (phase 2 alone on a folder locked layer by layer
+with --phase2-steps 0: --locked, or one made here at a small budget). Per process: its share of the locked model's
+parameter bytes as loaded, its peak resident memory after loading both models and over the whole run, the wall
+time; both runs' phase-2 losses, perplexity ratios and the largest weight difference. --before SRC runs the
+torchrun command a second time with PYTHONPATH=SRC (an earlier checkout's src/, e.g. a git worktree of the commit
+before the loading into shards) for the before / after columns.
 --what lock-dlr: `mlpsurgery lock dlr` (phase 1 split by layer, phase 2 sharded; --phase1-hard-fraction 0, so
 that each layer's net is the one-process net). Per process: peak resident memory and wall time; the stage
 times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference.
@@ -21,6 +27,8 @@ times, the held-out perplexity ratio and per-layer errors of both runs, and the 
     python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
         --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
+    python benchmarks/fsdp.py --what phase2-only [--before OLD/src] --json docs/results/fsdp-phase2-smollm2.json \
+        --md docs/results/fsdp-phase2-smollm2.md
     python benchmarks/fsdp.py --what nest --synthetic 1e9 --dtype bfloat16 --steps 2 --batch-size 2 --block-len 64 \
         --json docs/results/fsdp-synthetic-1b.json --md docs/results/fsdp-synthetic-1b.md
     python benchmarks/fsdp.py --render docs/results/fsdp-smollm2.json     # the markdown again from the JSON
@@ -57,10 +65,11 @@ def _objects(text: str) -> list[dict]:
 PEAKS: dict[str, int] = {}  # the largest process's peak resident bytes over the whole run, by run ("one", "sharded")
 
 
-def run(cmd: list[str], threads: int, tag: str = "") -> tuple[list[dict], float]:
+def run(cmd: list[str], threads: int, tag: str = "", src: str | None = None) -> tuple[list[dict], float]:
     """The command's JSON objects and wall seconds; PEAKS[tag]: the peak resident memory of its largest process
-    over the whole run (the kernel's, through wait4: for torchrun, the largest of its ranks), saving included."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    over the whole run (the kernel's, through wait4: for torchrun, the largest of its ranks), saving included.
+    src: the mlpsurgery source folder to run (PYTHONPATH; default: the installed one)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -166,7 +175,41 @@ def render_attack(res: dict) -> str:
                       f"torch {res['torch']}.", "", *procs, "", *rows]) + "\n"
 
 
+PHASE1 = ["--layerwise", "--rank", "64", "--calib-blocks", "16", "--block-len", "128", "--phase1-steps", "20",
+          "--phase1-tokens", "256", "--onpolicy-steps", "0", "--phase2-steps", "0", "--eval-tokens", "0"]
+PHASE2 = ["--phase2-only", "--phase2-steps", "6", "--phase2-blocks", "16", "--phase2-batch", "4", "--block-len", "128",
+          "--eval-tokens", "2048"]
+
+
+def render_phase2(res: dict) -> str:
+    gib = 2 ** 30
+    rows = ["| run | process | locked model's parameters held after loading | peak RSS after loading both models | "
+            "peak RSS, whole run | wall |", "|---|---|---|---|---|---|"]
+    runs = [("one process", res["one"], res["one_seconds"]),
+            (f"torchrun, {res['ranks']} ranks (loaded into shards)", res["sharded"], res["sharded_seconds"])]
+    if res.get("before"):
+        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']}: each rank loads both whole)",
+                     res["before"], res["before_seconds"]))
+    for name, procs, wall in runs:
+        for p in procs:
+            held = f"{p['loaded_param_bytes'] / 2**20:.0f} MiB" if p.get("loaded_param_bytes") else \
+                f"{res['whole_param_bytes'] / 2**20:.0f} MiB (whole)"
+            loaded = f"{p['peak_rss_loaded_bytes'] / gib:.2f} GiB" if p.get("peak_rss_loaded_bytes") else "--"
+            rows.append(f"| {name} | rank {p['rank']} | {held} | {loaded} | {p['peak_rss_bytes'] / gib:.2f} GiB | "
+                        f"{wall:.0f} s |")
+    losses = ["| step | loss, one process | loss, sharded | difference |", "|---|---|---|---|"]
+    for a, b in zip(res["loss_one"], res["loss_sharded"]):
+        losses.append(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {abs(a['loss'] - b['loss']):.1e} |")
+    return "\n".join([
+        f"`mlpsurgery lock dlr LOCKED {' '.join(res['args'])}` on {res['locked']}; machine: {res['machine']}; "
+        f"torch {res['torch']}.", "", *rows, "", *losses, "",
+        f"Held-out perplexity ratio: {res['ratio_one']:.4f} (one process) vs {res['ratio_sharded']:.4f} (torchrun); "
+        f"largest difference between the two saved models' weights: {res['max_weight_diff']:.1e}."]) + "\n"
+
+
 def render(res: dict) -> str:
+    if res.get("what") == "phase2-only":
+        return render_phase2(res)
     if res.get("what") == "attack":
         return render_attack(res)
     if res.get("what") == "lock-dlr":
@@ -265,6 +308,41 @@ def bench_attack(args, work: Path) -> dict:
             "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
 
 
+def bench_phase2(args, work: Path) -> dict:
+    import torch
+
+    from mlpsurgery.io import load
+
+    locked, shown = args.locked, args.locked
+    if not locked:  # phase 1 layer by layer at a small budget (one process, as a user without the devices runs it)
+        locked = str(work / "phase1")
+        shown = f"{args.model} locked by `lock dlr {' '.join(PHASE1)}`"
+        run([sys.executable, "-m", "mlpsurgery", "lock", "dlr", args.model, *PHASE1, "--out", locked, "--json",
+             "--quiet"], args.ranks, "phase1")
+    common = ["lock", "dlr", locked, *PHASE2, "--json", "--quiet"]
+    one, one_s, sharded, sharded_s = _both(args, common, work)
+    procs = lambda objs: sorted(({k: o.get(k, 0 if k == "rank" else None) for k in (  # noqa: E731
+        "rank", "peak_rss_bytes", "peak_rss_loaded_bytes", "loaded_param_bytes")} for o in objs),
+        key=lambda p: p["rank"])
+    main0 = next(o for o in sharded if "out" in o)
+    whole = load(str(work / "one"))
+    res = {"what": "phase2-only", "locked": shown, "args": PHASE2, "ranks": args.ranks, **_machine(),
+           "one_seconds": one_s, "sharded_seconds": sharded_s, "one": procs(one), "sharded": procs(sharded),
+           "whole_param_bytes": sum(p.numel() * p.element_size() for p in whole.parameters()),
+           "loss_one": [{"step": h["step"], "loss": h["loss"]} for h in one[0]["report"]["phase2_history"]],
+           "loss_sharded": [{"step": h["step"], "loss": h["loss"]} for h in main0["report"]["phase2_history"]],
+           "ratio_one": one[0]["heldout_ratio"], "ratio_sharded": main0["heldout_ratio"],
+           "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+    del whole
+    torch.set_num_threads(1)
+    if args.before:
+        before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
+                               "before", src=args.before)
+        res.update(before=procs(before), before_seconds=before_s, before_label=args.before_label or args.before)
+    return res
+
+
 def synthetic(args, work: Path) -> str:
     """--synthetic N: a random-weight llama of about N parameters written (by a child process, so this one stays
     small) as bfloat16 safetensors shards into `work`; its description, args.model set to its folder."""
@@ -301,8 +379,12 @@ def bench_nest(args, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--what", choices=["nest", "lock-dlr", "fuse", "attack"], default="nest")
-    ap.add_argument("--locked", help="--what attack: a folder written by `mlpsurgery lock dlr`")
+    ap.add_argument("--what", choices=["nest", "lock-dlr", "phase2-only", "fuse", "attack"], default="nest")
+    ap.add_argument("--locked", help="--what attack / phase2-only: a folder written by `mlpsurgery lock dlr` (for "
+                                     "phase2-only with --phase2-steps 0; default: one made at a small budget)")
+    ap.add_argument("--before", metavar="SRC", help="--what phase2-only: also run the torchrun command from this "
+                                                     "mlpsurgery source folder (an earlier commit's src/)")
+    ap.add_argument("--before-label", help="how the table names --before (e.g. the commit)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -322,8 +404,8 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     try:
-        res = {"lock-dlr": bench_lock, "fuse": bench_fuse, "nest": bench_nest, "attack": bench_attack}[args.what](
-            args, work)
+        res = {"lock-dlr": bench_lock, "phase2-only": bench_phase2, "fuse": bench_fuse, "nest": bench_nest,
+               "attack": bench_attack}[args.what](args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = render(res)

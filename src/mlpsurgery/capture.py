@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import parallel
 from .errors import IntegrityError, MLPSurgeryError
 from .sites import find_sites
 
@@ -128,6 +129,7 @@ def fingerprint(model: nn.Module, data: Tensor, **settings) -> str:
     h.update(json.dumps(list(data.shape)).encode())
     h.update(data.cpu().numpy().tobytes())
     for name, p in model.state_dict().items():
+        p = parallel.full_value(p)  # a sharded model: the whole tensor (every rank fingerprints the same model)
         h.update(name.encode())
         h.update(p.detach().float().flatten()[:64].cpu().numpy().tobytes())
         h.update(str(float(p.detach().float().sum())).encode())

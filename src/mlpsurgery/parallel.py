@@ -190,7 +190,7 @@ def _one_dtype(params, what: str) -> None:
 
 def load_sharded(spec: str | None, device: str | torch.device = "cpu",
                  work: Callable[[nn.Module, int], None] | None = None,
-                 progress: bool = False):
+                 progress: bool = False, dtype: torch.dtype | None = None, hold: torch.dtype | None = None):
     """MODEL (as `models.load_model` reads it) loaded straight into FSDP2 shards, as `shard` splits it: the files
     are read one decoder layer at a time (layerwise.LayerStream), layer i handed to `work(model, i)` (a surgery that
     may replace its modules; the other layers may be on the meta device), compared across the ranks and
@@ -198,6 +198,8 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     embeddings while they are read), instead of the whole model on every rank. Every rank calls it. A model the
     layer-by-layer reader cannot read (a tiny:ARCH model, no safetensors, a conversion on loading, modules kept in
     float32, pruning masks) is loaded whole as load_model loads it, `work` run on each layer, and left for `shard`.
+    dtype: the dtype the files are read in (default: the working one, --dtype); what the recorded source fingerprint
+    is of. hold: the dtype the model is then held in (each layer cast once fingerprinted; default: as read).
     Returns (models.Loaded, the LayerStream or None)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -215,14 +217,14 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     if not text.startswith("tiny:"):
         folder, source, name = checkpoint_folder(text)
         try:
-            stream = LayerStream(folder, dtype=working_dtype())
+            stream = LayerStream(folder, dtype=dtype if dtype is not None else working_dtype())
             if any(getattr(stream.model, k, None) for k in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
                 stream = None
         except MLPSurgeryError:
             stream = None  # what the layer-by-layer reader refuses is loaded whole (load_model words any error)
     if stream is None:
-        loaded = load_model(spec)
-        loaded.model.to(device)
+        loaded = load_model(spec, dtype=dtype)
+        loaded.model.to(device=device, dtype=hold)
         for i in range(len(find_layers(loaded.model)) if work is not None else 0):
             work(loaded.model, i)
         return loaded, None
@@ -242,11 +244,11 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
         stream.materialise(i)
         for n, t in stream.layer_state(i).items():
             record.add(n, t)
-        stream.layers[i].to(device)  # the surgery runs where one process runs it (the model moved to the device)
+        stream.layers[i].to(device=device, dtype=hold)  # the surgery runs where one process runs it
         if work is not None:
             work(model, i)
         layer = stream.layers[i].to(device)
-        _one_dtype([*layer.parameters(), *resident], f"layer {i} with the embeddings")
+        _one_dtype([*layer.parameters(), *(resident if hold is None else ())], f"layer {i} with the embeddings")
         same_on_every_rank(f"weights of layer {i} (after loading{' and surgery' if work else ''})",
                            model_fingerprint(layer))
         plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
@@ -256,21 +258,22 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
         record.add(n, state[n])
     record.record()
     same_on_every_rank("embeddings, norms or head", stream.resident_fingerprint())
-    _shard_root(model, plain, mesh, device)
+    _shard_root(model, plain, mesh, device, hold)
     return Loaded(model.eval(), _tokenizer(folder), source), stream
 
 
-def _shard_root(model: nn.Module, plain: list[nn.Module], mesh, device) -> None:
+def _shard_root(model: nn.Module, plain: list[nn.Module], mesh, device, dtype: torch.dtype | None = None) -> None:
     """The last step of sharding a model whose decoder layers are sharded already: the rest (embeddings, norms,
-    head) to the device and sharded as the root unit, and the skeleton `unshard` needs recorded: the model's
-    structure with each layer as it was before sharding (`plain`), every parameter on meta."""
+    head) to the device (and `dtype`) and sharded as the root unit, and the skeleton `unshard` needs recorded: the
+    model's structure with each layer as it was before sharding (`plain`), every parameter on meta."""
     from torch.distributed.fsdp import fully_shard
 
     holder, leaf = _layer_list(model)
     layers = holder._modules[leaf]
     try:  # the sharded layers swapped out meanwhile
         holder._modules[leaf] = nn.ModuleList()
-        model.to(device)
+        model.to(device=device, dtype=dtype)
+        _one_dtype(model.parameters(), "the embeddings, norms and head")
         holder._modules[leaf] = nn.ModuleList(plain)
         skeleton = copy.deepcopy(model, {id(p): _meta(p) for p in model.parameters()})
     finally:
@@ -349,6 +352,28 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
 def release(model: nn.Module) -> None:
     """Forget a sharded model that is being dropped without unsharding it (its skeleton, kept for `unshard`)."""
     _SKELETONS.pop(id(model), None)
+
+
+def drop(model: nn.Module) -> None:
+    """Free a model's weights in place, sharded or not, without gathering anything (not a collective): the caller's
+    object becomes the plain structure with every parameter on the meta device (a sharded model's shards and FSDP
+    state go with it), e.g. a teacher no longer needed while the caller still holds it."""
+    if not is_sharded(model):
+        model.to("meta")
+        return
+    skeleton = _SKELETONS.pop(id(model))
+    with contextlib.suppress(Exception):  # (as `unshard`)
+        from torch.distributed._composable_state import _module_state_mapping
+
+        _module_state_mapping.pop(model, None)
+    model.__class__ = skeleton.__class__
+    model.__dict__ = skeleton.__dict__
+
+
+def full_value(t: Tensor) -> Tensor:
+    """A tensor's whole value: a sharded (FSDP) parameter gathered from every rank (a collective: every rank asks
+    for the same tensors in the same order), any other tensor as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def unshard(model: nn.Module, keep_on: int | None = None,

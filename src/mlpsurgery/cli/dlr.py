@@ -50,9 +50,21 @@ def run_lock(args) -> dict:
         check_state(work, inputs=inputs + [out], what="work")
 
     parallel.on_rank0(claims)
-    stage(args, f"loading {model_name(args.model)}")
-    loaded = load_model(args.model)
-    model, tok = loaded.model.to(device), loaded.require_tokenizer()
+    # phase 2 alone under torchrun: both models read into FSDP shards a layer at a time (no rank holds either whole),
+    # the locked one trained sharded and saved a tensor at a time
+    sharded = args.phase2_only and world > 1
+    if sharded:
+        stage(args, f"loading {model_name(args.model)} into {world} shards, layer by layer")
+        loaded, _ = parallel.load_sharded(args.model, device, progress=not args.quiet)
+        if not parallel.is_sharded(loaded.model):  # (what the layer-by-layer reader cannot read is loaded whole)
+            parallel.shard(loaded.model, device)
+        model = loaded.model
+        loaded_bytes = parallel.local_bytes(model.parameters())
+    else:
+        stage(args, f"loading {model_name(args.model)}")
+        loaded = load_model(args.model)
+        model = loaded.model.to(device)
+    tok = loaded.require_tokenizer()
     cfg = _config(args)
     original = model  # the teacher: the model itself, or (--phase2-only) the one the locked folder was made from
     if args.phase2_only:
@@ -74,14 +86,22 @@ def run_lock(args) -> dict:
 
         # read in the dtype it was locked in (what its recorded fingerprint is of), then run in the working one
         saved = read_manifest(checkpoint_folder(args.model)[0]).get("dtype")
-        stage(args, f"loading the original model {model_name(spec)}")
-        original = load_model(spec, dtype=getattr(torch, saved) if saved else None).model
+        saved = getattr(torch, saved) if saved else None
+        held = next(model.parameters()).dtype
+        if sharded:
+            stage(args, f"loading the original model {model_name(spec)} into {world} shards, layer by layer")
+            original = parallel.load_sharded(spec, device, progress=not args.quiet, dtype=saved, hold=held)[0].model
+        else:
+            stage(args, f"loading the original model {model_name(spec)}")
+            original = load_model(spec, dtype=saved).model
         check_source(model, original, spec)
-        original.to(device=device, dtype=next(model.parameters()).dtype)
+        if not sharded:
+            original.to(device=device, dtype=held)
     else:
         _rank_from_depth(args, cfg, model)
         cfg.validate()
         check_ranks(plan(model, cfg)[0])  # the layer selection and the MLPs are checked before anything is written
+    loaded_rss = peak_rss()  # the peak of loading (both models, for phase 2 alone)
     check_context(model, cfg.block_len)
     _check_top_k(model, cfg)
     data = args.data or DEFAULT_DATA
@@ -96,7 +116,8 @@ def run_lock(args) -> dict:
     block = default_block_len(model)
 
     def measure(stage: str, m=model):
-        if not (causal and args.eval_tokens) or rank != 0:  # rank 0 measures (the others go on to the next gather)
+        # rank 0 measures (the others go on to the next gather); a sharded model's forward takes every rank
+        if not (causal and args.eval_tokens) or (rank != 0 and not parallel.is_sharded(m)):
             return
         row = {"heldout": perplexity(m, corpus.heldout, block_len=block, max_tokens=args.eval_tokens,
                                      progress=not args.quiet, bos_id=corpus.bos).ppl}
@@ -117,24 +138,34 @@ def run_lock(args) -> dict:
     if args.phase2_only:
         measure("phase1")
         report = continue_phase2(model, original, p2, cfg, work, progress=not args.quiet, data_name=corpus.source,
-                                 on_teacher=lambda m: m.to("meta"))  # the original is not needed past its targets
+                                 on_teacher=parallel.drop,  # the original is not needed past its targets
+                                 unshard=not sharded)
     else:
         report = dlr_lock(model, _calibration(corpus, cfg), p2, cfg, work, progress=not args.quiet,
                           data_name=corpus.source, on_phase1=lambda m: measure("phase1"))
     del original
     seconds = time.perf_counter() - t0
+    if sharded:  # every rank measures and saves (each parameter gathered in turn, written by rank 0)
+        measure("phase2")
+        stage(args, f"saving to {out}")
+        parallel.save_sharded(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
     if rank != 0:  # rank 0 measures, saves and reports
-        return {"rank": rank, "world_size": world, "seconds": seconds, "peak_rss_bytes": peak_rss()}
-    measure("phase2")
-    stage(args, f"saving to {out}")
-    save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
+        return {"rank": rank, "world_size": world, "seconds": seconds, "peak_rss_bytes": peak_rss(),
+                "peak_rss_loaded_bytes": loaded_rss, **({"loaded_param_bytes": loaded_bytes} if sharded else {})}
+    if not sharded:
+        measure("phase2")
+        stage(args, f"saving to {out}")
+        save(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
     kept = args.keep_work or args.workdir is not None  # a folder the user named is theirs to remove
     if not kept:
         remove_ours(work)
     res = {"out": str(out), "model": loaded.source, "world_size": world, "peak_rss_bytes": peak_rss(),
+           "peak_rss_loaded_bytes": loaded_rss,
            "config": cfg.__dict__, "report": report.as_dict(), "phase2_only": args.phase2_only,
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
            "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
+    if sharded:  # this rank's share of the locked model's parameter bytes, as loaded
+        res.update(loaded_into_shards=True, loaded_param_bytes=loaded_bytes)
     if "original" in evals and "phase2" in evals:
         res["heldout_ratio"] = evals["phase2"]["heldout"] / evals["original"]["heldout"]
     return res

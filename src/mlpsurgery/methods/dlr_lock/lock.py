@@ -77,12 +77,13 @@ def teacher_stage(original: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: 
 
 
 def phase2_stage(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path, top: Path, before: dict,
-                 report: DLRReport, progress: bool = True) -> None:
+                 report: DLRReport, progress: bool = True, unshard: bool = True) -> None:
     """Phase 2 on the installed DLR-Nets against the teacher_stage targets in `workdir`, a stage recording what it
-    continues (`before`: the teacher's fingerprint and the earlier stages' settings); its record goes to `report`."""
+    continues (`before`: the teacher's fingerprint and the earlier stages' settings); its record goes to `report`.
+    unshard: as `phase2`'s."""
     _stage(workdir, "phase2", {**before, **{k: getattr(cfg, k) for k in ("phase2_steps", "phase2_lr", "phase2_batch",
                                                                            "seed")}})
-    res = phase2(model, blocks, _stage_file(workdir / "teacher.safetensors"), cfg, top, progress)
+    res = phase2(model, blocks, _stage_file(workdir / "teacher.safetensors"), cfg, top, progress, unshard=unshard)
     _finish(workdir, "phase2")
     report.phase2_history = [{k: h[k] for k in ("step", "loss", "time_s")} for h in res.history]
     report.phase2_seconds = res.seconds
@@ -90,11 +91,12 @@ def phase2_stage(model: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: Path
 
 
 def continue_phase2(model: nn.Module, original: nn.Module, blocks: Tensor, cfg: DLRConfig, workdir: str | Path,
-                    progress: bool = True, data_name: str = "", on_teacher=None) -> DLRReport:
+                    progress: bool = True, data_name: str = "", on_teacher=None, unshard: bool = True) -> DLRReport:
     """Phase 2 alone on a model whose MLPs are already DLR-Nets (a folder `lock dlr --layerwise` wrote: phase 1 one
     layer at a time, in the memory of one layer), against `original`, the model it was locked from: the teacher's
     targets on `blocks` first (then on_teacher(original) is called, e.g. to free it), then the logit distillation of
-    every installed net, resumable from `workdir`. Recorded in the model's history as a dlr_lock step of its own."""
+    every installed net, resumable from `workdir`. Recorded in the model's history as a dlr_lock step of its own.
+    Under torchrun both models may come sharded (parallel.load_sharded); unshard=False leaves `model` sharded."""
     cfg.validate()
     if cfg.phase2_steps < 1:
         raise MLPSurgeryError("continuing a locked model with phase 2 needs --phase2-steps >= 1")
@@ -113,7 +115,7 @@ def continue_phase2(model: nn.Module, original: nn.Module, blocks: Tensor, cfg: 
     first = sites.mlp[layers[0]].module
     report = DLRReport(layers=layers, depth=first.depth, rank=first.rank, params_mlp=0,
                        params_dlr=sum(p.numel() for p in first.parameters()))
-    phase2_stage(model, blocks, cfg, workdir, top, {"teacher": teacher}, report, progress)
+    phase2_stage(model, blocks, cfg, workdir, top, {"teacher": teacher}, report, progress, unshard=unshard)
     record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, phase2_only=True,
            phase2_steps=cfg.phase2_steps, distillation_seconds=report.phase2_seconds)
     return report

@@ -50,8 +50,10 @@ def dlr_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DLRConfig, workdir: Path,
-           progress: bool = True):
-    """Logits (or hidden-state) distillation of the DLR-Net parameters only; everything else frozen."""
+           progress: bool = True, unshard: bool = True):
+    """Logits (or hidden-state) distillation of the DLR-Net parameters only; everything else frozen. Under torchrun
+    the model is sharded (FSDP2; it may come sharded, parallel.load_sharded) and, with `unshard`, whole again on
+    every rank afterwards; else left sharded (to be saved by parallel.save_sharded, never whole in one process)."""
     params = dlr_parameters(model)
     if not params:
         raise MLPSurgeryError("phase 2 needs a model whose MLPs were replaced by DLR-Nets")
@@ -92,7 +94,8 @@ def phase2(model: nn.Module, blocks: Tensor, targets: dict[str, Tensor], cfg: DL
     try:
         res = fit(params, loss_fn, fcfg, checkpoint_dir=workdir / "phase2_ckpt", progress=progress,
                   desc="DLR phase 2 (logits)" if causal else "DLR phase 2 (hidden states)", settings=settings)
-        parallel.unshard(model)  # (every rank holds the trained model again)
+        if unshard:
+            parallel.unshard(model)  # (every rank holds the trained model again)
     finally:
         for _, m in _dlr_modules(model):
             m.checkpoint = False

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ... import parallel
 from ...capture import capture_mlp_io
 from ...io import atomic_write_text
 from ...modules.dlr import DLRNet, StackedDLR
@@ -35,6 +36,7 @@ def digest(net: nn.Module) -> str:
     """sha256 of a network's parameters (names, shapes and bytes): which students an on-policy capture ran."""
     h = hashlib.sha256()
     for name, t in sorted(net.state_dict().items()):
+        t = parallel.full_value(t)  # a net of a sharded model: its whole value (a collective, as every rank asks)
         h.update(f"{name}{tuple(t.shape)}".encode())
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
