@@ -93,6 +93,23 @@ def test_claim_refuses_another_run_and_unknown_folders(tmp_path):
         claim(tmp_path / "u", "work", {})
 
 
+def test_a_claimed_folder_is_removed_only_if_mlpsurgery_made_it(tmp_path):
+    """A work folder claimed new is removed at the end; an empty folder the user made is used and then emptied,
+    not removed (the folder is theirs, what was put in it is mlpsurgery's)."""
+    assert claim(tmp_path / "new", "work", {}) is False
+    (tmp_path / "new" / "part").write_text("1")
+    assert remove_ours(tmp_path / "new") and not (tmp_path / "new").exists()
+    (tmp_path / "theirs").mkdir()
+    os.chmod(tmp_path / "theirs", 0o750)
+    assert claim(tmp_path / "theirs", "work", {}) is False
+    (tmp_path / "theirs" / "sub").mkdir()
+    (tmp_path / "theirs" / "sub" / "part").write_text("1")
+    assert claim(tmp_path / "theirs", "work", {}) is True  # resumed: still adopted
+    assert remove_ours(tmp_path / "theirs")
+    assert (tmp_path / "theirs").is_dir() and not any((tmp_path / "theirs").iterdir())
+    assert (tmp_path / "theirs").stat().st_mode & 0o777 == 0o750
+
+
 # ---- crashes -----------------------------------------------------------------------------------------
 
 KILLED_SAVE = r"""

@@ -44,11 +44,15 @@ _TMP, _OLD = ".tmp-", ".old-"
 # Ownership
 
 
-def mark(folder: str | Path, kind: str, settings: dict | None = None) -> None:
-    """Write the marker that says mlpsurgery created `folder` (and with which settings)."""
+def mark(folder: str | Path, kind: str, settings: dict | None = None, adopted: bool = False) -> None:
+    """Write the marker that says mlpsurgery created `folder` (and with which settings). adopted: the folder
+    itself was there already, empty (the user's): what mlpsurgery puts in it is its own, the folder is not, so
+    removing it empties it and leaves it in place."""
     body = {"created_by": "mlpsurgery", "kind": kind}
     if settings is not None:
         body["settings"] = settings
+    if adopted:
+        body["adopted"] = True
     write_text(Path(folder) / MARKER, json.dumps(body, indent=1, sort_keys=True, default=str))
 
 
@@ -74,9 +78,10 @@ def _empty_dir(path: Path) -> bool:
 
 def _remove(folder: Path) -> None:
     """Delete a folder of ours, its marker last: a deletion cut short (kill -9) leaves a folder that still says
-    it is mlpsurgery's, so the next run may finish the job."""
+    it is mlpsurgery's, so the next run may finish the job. An adopted folder (see `mark`) is emptied, not removed."""
     if not folder.is_dir() or folder.is_symlink():
         return
+    adopted = bool((marker(folder) or {}).get("adopted"))
     for child in folder.iterdir():
         if child.name == MARKER:
             continue
@@ -87,8 +92,9 @@ def _remove(folder: Path) -> None:
                 child.unlink()
     with contextlib.suppress(OSError):
         (folder / MARKER).unlink()
-    with contextlib.suppress(OSError):
-        folder.rmdir()
+    if not adopted:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def remove_ours(folder: str | Path) -> bool:
@@ -400,8 +406,9 @@ def check_state(folder: str | Path, inputs: Iterable[str | Path | None] = (), wh
 
 def claim(folder: str | Path, kind: str, settings: dict, inputs: Iterable[str | Path | None] = ()) -> bool:
     """Make `folder` the resumable state of a `kind` run with these settings (JSON-able; include a model
-    fingerprint). A new or empty folder is created and marked; a folder already marked with the same kind and
-    settings is resumed (True); anything else is refused with what differs."""
+    fingerprint). A new folder is created and marked, an empty one marked as adopted (remove_ours empties it and
+    leaves it in place); a folder already marked with the same kind and settings is resumed (True); anything else
+    is refused with what differs."""
     folder = Path(folder)
     check_state(folder, inputs, what=kind)
     settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
@@ -416,6 +423,7 @@ def claim(folder: str | Path, kind: str, settings: dict, inputs: Iterable[str | 
             raise MLPSurgeryError(f"{folder} holds a {kind} run made with other settings or another model "
                                   f"({', '.join(diff)}); resume with the same ones, or use another folder")
         return True
+    adopted = folder.is_dir()  # an empty folder the user made: used, and left in place (emptied) at the end
     folder.mkdir(parents=True, exist_ok=True)
-    mark(folder, kind, settings)
+    mark(folder, kind, settings, adopted=adopted)
     return False

@@ -55,8 +55,10 @@ def run_lock(args) -> dict:
     sharded = args.phase2_only and world > 1
     if sharded:
         stage(args, f"loading {model_name(args.model)} into {world} shards, layer by layer")
-        loaded, _ = parallel.load_sharded(args.model, device, progress=not args.quiet)
-        if not parallel.is_sharded(loaded.model):  # (what the layer-by-layer reader cannot read is loaded whole)
+        loaded, stream = parallel.load_sharded(args.model, device, progress=not args.quiet)
+        streamed = stream is not None
+        del stream
+        if not streamed:  # (what the layer-by-layer reader cannot read is loaded whole, then sharded)
             parallel.shard(loaded.model, device)
         model = loaded.model
         loaded_bytes = parallel.local_bytes(model.parameters())
@@ -149,7 +151,7 @@ def run_lock(args) -> dict:
         measure("phase2")
         stage(args, f"saving to {out}")
         parallel.save_sharded(model, out, tokenizer=tok, overwrite=args.overwrite, inputs=inputs + [work])
-    if rank != 0:  # rank 0 measures, saves and reports
+    if rank != 0:  # rank 0 reports (and, unless sharded, measures and saves)
         return {"rank": rank, "world_size": world, "seconds": seconds, "peak_rss_bytes": peak_rss(),
                 "peak_rss_loaded_bytes": loaded_rss, **({"loaded_param_bytes": loaded_bytes} if sharded else {})}
     if not sharded:
@@ -165,7 +167,7 @@ def run_lock(args) -> dict:
            "perplexity": evals, "seconds": seconds, "data": corpus.source, "heldout": corpus.heldout_names,
            "second_corpus": args.second_corpus, "workdir": str(work) if kept else None}
     if sharded:  # this rank's share of the locked model's parameter bytes, as loaded
-        res.update(loaded_into_shards=True, loaded_param_bytes=loaded_bytes)
+        res.update(loaded_into_shards=streamed, loaded_param_bytes=loaded_bytes)
     if "original" in evals and "phase2" in evals:
         res["heldout_ratio"] = evals["phase2"]["heldout"] / evals["original"]["heldout"]
     return res
