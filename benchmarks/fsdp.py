@@ -309,9 +309,8 @@ def bench_attack(args, work: Path) -> dict:
 
 
 def bench_phase2(args, work: Path) -> dict:
-    import torch
-
     from mlpsurgery.io import load
+    from mlpsurgery.parallel import local_bytes
 
     locked, shown = args.locked, args.locked
     if not locked:  # phase 1 layer by layer at a small budget (one process, as a user without the devices runs it)
@@ -328,13 +327,12 @@ def bench_phase2(args, work: Path) -> dict:
     whole = load(str(work / "one"))
     res = {"what": "phase2-only", "locked": shown, "args": PHASE2, "ranks": args.ranks, **_machine(),
            "one_seconds": one_s, "sharded_seconds": sharded_s, "one": procs(one), "sharded": procs(sharded),
-           "whole_param_bytes": sum(p.numel() * p.element_size() for p in whole.parameters()),
+           "whole_param_bytes": local_bytes(whole.parameters()),
            "loss_one": [{"step": h["step"], "loss": h["loss"]} for h in one[0]["report"]["phase2_history"]],
            "loss_sharded": [{"step": h["step"], "loss": h["loss"]} for h in main0["report"]["phase2_history"]],
            "ratio_one": one[0]["heldout_ratio"], "ratio_sharded": main0["heldout_ratio"],
            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
     del whole
-    torch.set_num_threads(1)
     if args.before:
         before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                 str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,

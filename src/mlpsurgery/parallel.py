@@ -361,8 +361,14 @@ def drop(model: nn.Module) -> None:
     if not is_sharded(model):
         model.to("meta")
         return
-    skeleton = _SKELETONS.pop(id(model))
-    with contextlib.suppress(Exception):  # (as `unshard`)
+    _become(model, _SKELETONS.pop(id(model)))
+
+
+def _become(model: nn.Module, skeleton: nn.Module) -> None:
+    """The caller's sharded object becomes the plain `skeleton`: its class and attributes are the skeleton's (the
+    root's FSDP hooks and state go with the old attributes; the layers were deep-copied before sharding and never
+    were FSDP)."""
+    with contextlib.suppress(Exception):  # torch keeps a registry of composable state by module; drop ours
         from torch.distributed._composable_state import _module_state_mapping
 
         _module_state_mapping.pop(model, None)
@@ -397,7 +403,7 @@ def unshard(model: nn.Module, keep_on: int | None = None,
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in full:
-                value = p.full_tensor() if is_dtensor(p) else p.detach()
+                value = full_value(p).detach()
                 if sink is not None and rank == keep_on:
                     sink(name, value)
                 full[id(p)] = nn.Parameter(value.clone() if keep else torch.empty_like(value, device="meta"),
@@ -408,12 +414,6 @@ def unshard(model: nn.Module, keep_on: int | None = None,
             if name not in plain:
                 raise MLPSurgeryError(f"the sharded model gained parameter {name} while training; cannot unshard it")
             target._parameters[leaf] = full[id(p)]
-    # The caller's object becomes the plain model: its class and attributes are the skeleton's (the root's FSDP
-    # hooks and state go with the old attributes; the layers were deep-copied before sharding and never were FSDP).
-    with contextlib.suppress(Exception):  # torch keeps a registry of composable state by module; drop ours
-        from torch.distributed._composable_state import _module_state_mapping
-
-        _module_state_mapping.pop(model, None)
     for k, v in model.__dict__.items():  # what mlpsurgery recorded while it was sharded (history, source)
         if k.startswith("_mlpsurgery_"):
             skeleton.__dict__[k] = v
@@ -424,8 +424,7 @@ def unshard(model: nn.Module, keep_on: int | None = None,
             for k, v in mod.__dict__.items():
                 if isinstance(v, _PLAIN) and k in twin.__dict__ and isinstance(twin.__dict__[k], _PLAIN):
                     twin.__dict__[k] = v
-    model.__class__ = skeleton.__class__
-    model.__dict__ = skeleton.__dict__
+    _become(model, skeleton)  # the caller's object becomes the plain model
     return model
 
 
