@@ -10,7 +10,8 @@ layers' captured activations, trained parameters, gradients and AdamW moments, i
 time; the tuning's MSE before / after and every layer's error in both runs, and the largest weight difference.
 --what attack: `mlpsurgery attack dlr LOCKED` (its fine-tuning runs sharded with FSDP2; a locked folder made by
 `mlpsurgery lock dlr`, --locked). Per attack run: one rank's step peak memory and seconds against one process's, the
-training and held-out losses of both; per process: peak resident memory and wall time.
+training and held-out losses of both; per process: what it holds between the runs, its peak resident memory after
+loading and over the whole run, the wall time (--before SRC: the torchrun command of an earlier checkout too).
 --what phase2-only: `mlpsurgery lock dlr LOCKED --phase2-only` (phase 2 alone on a folder locked layer by layer
 with --phase2-steps 0: --locked, or one made here at a small budget). Per process: its share of the locked model's
 parameter bytes as loaded, its peak resident memory after loading both models and over the whole run, the wall
@@ -156,11 +157,23 @@ ATTACK = ["--attacks", "finetune,checkpointing,lora", "--lrs", "1e-4", "--steps"
 
 
 def render_attack(res: dict) -> str:
-    procs = ["| run | process | peak RSS | wall |", "|---|---|---|---|"]
-    for name, ps, wall in (("one process", res["one"], res["one_seconds"]),
-                           (f"torchrun, {res['ranks']} ranks (FSDP2)", res["sharded"], res["sharded_seconds"])):
+    gib, mib = 2 ** 30, 2 ** 20
+    procs = ["| run | process | models held between runs | peak RSS after loading | peak RSS, whole run | wall |",
+             "|---|---|---|---|---|---|"]
+    runs = [("one process", res["one"], res["one_seconds"]),
+            (f"torchrun, {res['ranks']} ranks (FSDP2)", res["sharded"], res["sharded_seconds"])]
+    if res.get("before"):
+        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']})", res["before"],
+                     res["before_seconds"]))
+    for name, ps, wall in runs:
         for p in ps:
-            procs.append(f"| {name} | rank {p['rank']} | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
+            shares = p.get("loaded_param_bytes")
+            held = ("structure only (each read into shards per run: " + " + ".join(
+                f"{shares[k] / mib:.0f} MiB" for k in ("locked", "original")) + " per rank as read)") if shares \
+                else "both whole"
+            loaded = f"{p['peak_rss_loaded_bytes'] / gib:.2f} GiB" if p.get("peak_rss_loaded_bytes") else "--"
+            procs.append(f"| {name} | rank {p['rank']} | {held} | {loaded} | {p['peak_rss_bytes'] / gib:.2f} GiB | "
+                         f"{wall:.0f} s |")
     rows = ["| attack run | step peak, one process | step peak, one rank | s / step, one process | s / step, one rank "
             "| training loss at the last step, one process / sharded | held-out loss at the end, one process / sharded |",
             "|---|---|---|---|---|---|---|"]
@@ -299,13 +312,20 @@ def bench_attack(args, work: Path) -> dict:
         rows = json.loads((work / out / "suite.json").read_text())["attacks"]
         return {r["name"]: r["history"][-1]["loss"] for r in rows}
 
-    return {"what": "attack", "locked": args.locked, "args": ATTACK, "ranks": args.ranks, **_machine(),
-            "one_seconds": one_s, "sharded_seconds": sharded_s,
-            "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"]}],
-            "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"]} for o in sharded),
-                              key=lambda p: p["rank"]),
-            "table_one": one[0]["table"], "table_sharded": main0["table"],
-            "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
+    procs = lambda objs: sorted(({k: o.get(k, 0 if k == "rank" else None) for k in (  # noqa: E731
+        "rank", "peak_rss_bytes", "peak_rss_loaded_bytes", "loaded_param_bytes", "loaded_into_shards")} for o in objs),
+        key=lambda p: p["rank"])
+    res = {"what": "attack", "locked": args.locked, "args": ATTACK, "ranks": args.ranks, **_machine(),
+           "one_seconds": one_s, "sharded_seconds": sharded_s, "one": procs(one), "sharded": procs(sharded),
+           "table_one": one[0]["table"], "table_sharded": main0["table"],
+           "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
+    if args.before:  # the torchrun command of an earlier checkout (each rank held both models whole)
+        before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
+                               "before", src=args.before)
+        res.update(before=procs(before), before_seconds=before_s, before_label=args.before_label or args.before,
+                   last_loss_before=last("before"))
+    return res
 
 
 def bench_phase2(args, work: Path) -> dict:
@@ -380,8 +400,8 @@ def main() -> None:
     ap.add_argument("--what", choices=["nest", "lock-dlr", "phase2-only", "fuse", "attack"], default="nest")
     ap.add_argument("--locked", help="--what attack / phase2-only: a folder written by `mlpsurgery lock dlr` (for "
                                      "phase2-only with --phase2-steps 0; default: one made at a small budget)")
-    ap.add_argument("--before", metavar="SRC", help="--what phase2-only: also run the torchrun command from this "
-                                                     "mlpsurgery source folder (an earlier commit's src/)")
+    ap.add_argument("--before", metavar="SRC", help="--what phase2-only / attack: also run the torchrun command "
+                                                     "from this mlpsurgery source folder (an earlier commit's src/)")
     ap.add_argument("--before-label", help="how the table names --before (e.g. the commit)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)

@@ -578,28 +578,91 @@ def test_attack_suite_sharded_over_two_ranks_equals_one_process(tmp_path):
     assert two["reverse"]["relative_error"] == pytest.approx(one["reverse"]["relative_error"], rel=1e-4)
 
 
-def test_cli_attack_dlr_over_two_ranks(tmp_path):
+def test_cli_attack_dlr_over_two_ranks_reads_both_models_into_shards_and_equals_one_process(tmp_path):
+    """`attack dlr` under torchrun holds neither model whole: the locked folder and its original checkpoint are read
+    into FSDP shards a layer at a time (each rank about half of each), afresh for every run (LoRA's adapters and the
+    reverse route's dense sub-blocks made on each layer as it is read), and every route's losses equal one
+    process's. The results belong to a two-rank run: one process does not reuse them."""
     from mlpsurgery.cli import main
+    from mlpsurgery.models import load_model
 
-    locked = str(tmp_path / "locked")
-    assert main(lock_args(tmp_path, locked, "--phase2-steps", "0", "--onpolicy-steps", "0", "--eval-tokens", "0")) == 0
-    attack = ["attack", "dlr", locked, "--attacks", "finetune,lora", "--lrs", "1e-3", "--steps", "2", "--block-len",
-              "32", "--train-blocks", "8", "--eval-blocks", "2", "--data", str(tmp_path / "t.txt"), "--json", "--quiet"]
+    ckpt, locked = _saved(tmp_path, "llama"), str(tmp_path / "locked")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([ckpt if a == "tiny:llama" else a for a in lock_args(
+            tmp_path, locked, "--phase2-steps", "0", "--onpolicy-steps", "0", "--eval-tokens", "0")]) == 0
+    attack = ["attack", "dlr", locked, "--lrs", "1e-3", "--steps", "2", "--block-len", "32", "--train-blocks", "8",
+              "--eval-blocks", "2", "--reverse-steps", "4", "--data", str(tmp_path / "t.txt"), "--original", ckpt,
+              "--json", "--quiet"]
     out = str(tmp_path / "att")
     for code, log in ranks(tmp_path, attack + ["--out", out, "--batch", "3"]):  # refused on every rank
         assert code == 2 and "does not split evenly over 2 ranks" in log, log[-2000:]
     assert not os.path.exists(out)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(attack + ["--out", str(tmp_path / "one"), "--batch", "2"]) == 0
+    one = json.loads(buf.getvalue())
     (c0, log0), (c1, log1) = ranks(tmp_path, attack + ["--out", out, "--batch", "2"])
     assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
-    r0 = _json(log0)
-    assert r0["world_size"] == 2 and {k: v for k, v in _json(log1).items() if k != "peak_rss_bytes"} == \
-        {"rank": 1, "world_size": 2}
-    assert {row["attack"] for row in r0["table"]} == {"finetune lr=0.001 original", "finetune lr=0.001 locked",
-                                                     "LoRA attention original", "LoRA attention locked",
-                                                     "LoRA on DLR locked"}
+    r0, r1 = _json(log0), _json(log1)
+    assert r0["world_size"] == 2 and set(r1) == {"rank", "world_size", "peak_rss_bytes", "peak_rss_loaded_bytes",
+                                                 "loaded_into_shards", "loaded_param_bytes"}
+    whole = {"locked": parallel.local_bytes(load(locked).parameters()),
+             "original": parallel.local_bytes(load_model(ckpt).model.parameters())}
+    for r in (r0, r1):
+        assert r["loaded_into_shards"] == {"locked": True, "original": True}
+        for who, n in whole.items():
+            assert 0.4 < r["loaded_param_bytes"][who] / n < 0.6, (who, r["loaded_param_bytes"], n)
+    names = {row["attack"] for row in one["table"]}
+    assert {row["attack"] for row in r0["table"]} == names and {"LoRA on DLR locked", "DLR frozen locked",
+                                                               "reverse-distilled locked"} <= names
+    suite1 = json.loads((tmp_path / "one" / "suite.json").read_text())
+    suite2 = json.loads((tmp_path / "att" / "suite.json").read_text())
+    for a, b in zip(suite1["attacks"], suite2["attacks"], strict=True):
+        assert a["name"] == b["name"] and a["trainable_params"] == b["trainable_params"], a["name"]
+        for x, y in zip(a["history"] + a["eval"], b["history"] + b["eval"], strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), (a["name"], x["step"])
+    assert suite2["reverse"]["relative_error"] == pytest.approx(suite1["reverse"]["relative_error"], rel=1e-4)
     assert os.path.isfile(os.path.join(out, "adaptation.json")) and os.path.isfile(os.path.join(out, "attacks.md"))
     # the results belong to a two-rank run (the seconds and memory are one rank's): one process does not reuse them
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         assert main(attack + ["--out", out, "--batch", "2"]) == 2
     assert "made with other settings or another model (world_size)" in buf.getvalue(), buf.getvalue()
+
+
+def test_a_sharded_source_reads_afresh_and_refuses_files_changed_meanwhile(tmp_path):
+    """parallel.ShardedSource (what `attack dlr` keeps under torchrun): between reads only the structure, on meta;
+    each read holds about half per rank and fingerprints as the model loaded whole; a checkpoint whose weights
+    changed since the first read is refused, not trained on."""
+    from safetensors.torch import load_file, save_file
+
+    from mlpsurgery.files import model_fingerprint
+    from mlpsurgery.models import load_model
+
+    ckpt = _saved(tmp_path, "llama")
+    whole = load_model(ckpt).model
+    expected, n = model_fingerprint(whole), parallel.local_bytes(whole.parameters())
+    weights = os.path.join(ckpt, "model.safetensors")
+
+    def target():
+        parallel.init("cpu")
+        src = parallel.ShardedSource(ckpt)
+        assert src.fingerprint == expected and src.streamed and 0.4 < src.local_bytes / n < 0.6
+        assert all(p.is_meta for p in src.skeleton.parameters()) and not parallel.is_sharded(src.skeleton)
+        m = src.load(structure=lambda s: next(s.parameters()).requires_grad_(False))
+        assert parallel.is_sharded(m) and not next(m.parameters()).requires_grad
+        assert model_fingerprint(m) == expected
+        parallel.drop(m)
+        parallel.barrier()
+        if parallel.world()[0] == 0:  # the checkpoint changes between two reads
+            state = load_file(weights)
+            key = next(k for k in state if "layers.1." in k)
+            state[key] = state[key] + 1
+            save_file(state, weights, metadata={"format": "pt"})
+        parallel.barrier()
+        with pytest.raises(Exception, match="changed on disk while it was in use"):
+            src.load()
+        return 0
+
+    results = run_ranks(tmp_path, target)
+    assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]

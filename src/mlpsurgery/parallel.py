@@ -190,11 +190,13 @@ def _one_dtype(params, what: str) -> None:
 
 def load_sharded(spec: str | None, device: str | torch.device = "cpu",
                  work: Callable[[nn.Module, int], None] | None = None,
-                 progress: bool = False, dtype: torch.dtype | None = None, hold: torch.dtype | None = None):
+                 progress: bool = False, dtype: torch.dtype | None = None, hold: torch.dtype | None = None,
+                 structure: Callable[[nn.Module], Any] | None = None):
     """MODEL (as `models.load_model` reads it) loaded straight into FSDP2 shards, as `shard` splits it: the files
     are read one decoder layer at a time (layerwise.LayerStream), layer i handed to `work(model, i)` (a surgery that
     may replace its modules; the other layers may be on the meta device), compared across the ranks and
-    sharded before the next is read. A rank's peak is its share of the model plus one whole layer (and the
+    sharded before the next is read. structure(model): flags set on the whole model before any layer is read
+    (requires_grad, gradient checkpointing: the layers' weights are on meta then, and a layer read keeps them). A rank's peak is its share of the model plus one whole layer (and the
     embeddings while they are read), instead of the whole model on every rank. Every rank calls it. A model the
     layer-by-layer reader cannot read (a tiny:ARCH model, no safetensors, a conversion on loading, modules kept in
     float32, pruning masks) is loaded whole as load_model loads it, `work` run on each layer, and left for `shard`.
@@ -225,12 +227,16 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     if stream is None:
         loaded = load_model(spec, dtype=dtype)
         loaded.model.to(device=device, dtype=hold)
+        if structure is not None:
+            structure(loaded.model)
         for i in range(len(find_layers(loaded.model)) if work is not None else 0):
             work(loaded.model, i)
         return loaded, None
     model = stream.model
     if text not in ("smollm2", "minilm"):
         model._mlpsurgery_path = str(Path(text).expanduser())
+    if structure is not None:
+        structure(model)
     record = SourceRecord(stream, name)  # the source fingerprint a whole load records, fed as the files are read
     first, last = stream.outside_names()
     state = model.state_dict()
@@ -283,10 +289,12 @@ def _shard_root(model: nn.Module, plain: list[nn.Module], mesh, device, dtype: t
 
 
 def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
-               structure: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+               structure: Callable[[nn.Module], nn.Module] | None = None,
+               work: Callable[[nn.Module, int], None] | None = None) -> nn.Module:
     """A sharded copy of `model` (which stays as it is), made one decoder layer at a time: the structure copied
     with its weights on the meta device, `structure(copy)` applied to it there (flags only: requires_grad,
-    gradient checkpointing; it must not create weights), then each layer's weights cloned from `model` and the
+    gradient checkpointing; it must not create weights), then each layer's weights cloned from `model`,
+    `work(copy, i)` run on layer i (it may add weights to it: adapters; the other layers may be on meta) and the
     layer sharded before the next -- instead of a deep copy of the whole model sharded afterwards, which held the
     model twice on every rank. Every rank calls it with the same model."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -318,14 +326,59 @@ def shard_copy(model: nn.Module, device: str | torch.device = "cpu",
     mesh = init_device_mesh(device.type, (size,))
     layers = find_layers(new)
     plain: list[nn.Module] = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         fill(layer)
+        if work is not None:
+            work(new, i)
+            layer = layers[i]
         layer.to(device)
         plain.append(copy.deepcopy(layer, {id(p): _meta(p) for p in layer.parameters()}))
         fully_shard(layer, mesh=mesh)
     fill(new)
     _shard_root(new, plain, mesh, device)
     return new
+
+
+class ShardedSource:
+    """A model that every rank reads from its files into FSDP2 shards afresh for each use (`load_sharded`), holding
+    in between only its structure with every weight on the meta device: what a command that trains several copies
+    of a model (the attack suite: a fresh copy per run) keeps instead of the model whole on every rank. Made once on
+    every rank: the first read gives `fingerprint` (the whole model's, each tensor gathered in turn) and `source`;
+    every later read is checked against them, so files changed meanwhile are refused, not trained on."""
+
+    def __init__(self, spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 progress: bool = False):
+        from .files import model_fingerprint
+        from .io import source_of
+
+        self.spec, self.device, self.dtype, self.progress = spec, device, dtype, progress
+        self.loaded = self._read()  # (models.Loaded: its tokenizer and source; its model becomes the skeleton)
+        model = self.loaded.model
+        self.fingerprint = model_fingerprint(model)
+        self.source = source_of(model)
+        self.local_bytes = local_bytes(model.parameters())  # this rank's share of the weights, as read
+        drop(model)
+        self.skeleton = model  # the plain structure (config, modules, mlpsurgery's records), weights on meta
+
+    def load(self, structure: Callable[[nn.Module], Any] | None = None,
+             work: Callable[[nn.Module, int], None] | None = None) -> nn.Module:
+        """A fresh sharded copy (every rank calls it): structure(model) and work(model, i) as `load_sharded` takes
+        them (a model the layer reader cannot read is loaded whole, changed alike and then sharded)."""
+        return self._read(structure, work).model
+
+    def _read(self, structure=None, work=None):
+        from .io import source_of
+
+        loaded, stream = load_sharded(self.spec, self.device, work=work, progress=self.progress, dtype=self.dtype,
+                                      structure=structure)
+        self.streamed = stream is not None
+        del stream
+        if not self.streamed:
+            shard(loaded.model, self.device)
+        if hasattr(self, "source") and source_of(loaded.model) != self.source:
+            raise MLPSurgeryError(f"{self.spec} changed on disk while it was in use (its source fingerprint differs "
+                                  "from the first reading); rerun on files that stay as they are")
+        return loaded
 
 
 def _meta(p: nn.Parameter) -> nn.Parameter:

@@ -362,35 +362,59 @@ def run_attack(args) -> dict:
     out = Path(args.out)
     dev, rank, world = join_ranks(args)  # torchrun: every fine-tuning run sharded over the ranks (FSDP2)
     parallel.on_rank0(lambda: check_state(out, [args.locked, args.original, args.data], what="attack results"))
-    stage(args, f"loading {args.locked} and its original")
-    locked = load_model(args.locked)
-    original_spec = args.original or source_spec(locked.model)
+    # under torchrun neither model is held whole: each is read into FSDP shards a layer at a time (once here, for
+    # its fingerprint and its structure, then afresh for every run), and kept in between as its structure only
+    sharded = world > 1
+    parallel.check_split(args.batch, "--batch")  # before any reading (each run's batch is shared by the ranks)
+    stage(args, f"loading {args.locked}" + (f" into {world} shards, layer by layer" if sharded else ""))
+    if sharded:
+        locked_source = parallel.ShardedSource(args.locked, dev, progress=not args.quiet)
+        locked = locked_source.skeleton
+    else:
+        loaded = load_model(args.locked)
+        locked = loaded.model
+    original_spec = args.original or source_spec(locked)
     if not original_spec:
         raise MLPSurgeryError("the locked folder names its original model only by name and fingerprint; pass "
                               "--original MODEL (it is checked against the fingerprint)")
-    original = load_model(original_spec)
-    check_source(locked.model, original.model, original_spec)
-    check_context(locked.model, args.block_len)
-    parallel.check_split(args.batch, "--batch")  # before any work (each run's batch is shared by the ranks)
-    locked.model.to(dev)
-    original.model.to(dev)
-    tok = locked.require_tokenizer()
+    stage(args, f"loading the original model {original_spec}" + (" into shards" if sharded else ""))
+    if sharded:
+        original_source = parallel.ShardedSource(original_spec, dev, progress=not args.quiet)
+        original = original_source.skeleton
+    else:
+        original = load_model(original_spec).model
+    check_source(locked, original, original_spec)
+    check_context(locked, args.block_len)
+    if not sharded:
+        locked.to(dev)
+        original.to(dev)
+    loaded_rss = peak_rss()  # the peak of loading both models (under torchrun: of reading each into shards once)
+    tok = (locked_source.loaded if sharded else loaded).require_tokenizer()
     corpus = load_corpus(args.data, tok)
     train = corpus.blocks("train", args.block_len, max_blocks=args.train_blocks, seed=args.seed + 2)
     held = corpus.blocks("heldout", args.block_len, max_blocks=args.eval_blocks, seed=args.seed + 3)
     # Results already in --out are reused only for the same attacks on the same two models and data (and as many
     # ranks: the seconds and memory are one rank's).
-    settings = {"config": asdict(cfg), "locked": model_fingerprint(locked.model),
-                "original": model_fingerprint(original.model), "data": corpus.source, "block_len": args.block_len,
+    settings = {"config": asdict(cfg),
+                "locked": locked_source.fingerprint if sharded else model_fingerprint(locked),
+                "original": original_source.fingerprint if sharded else model_fingerprint(original),
+                "data": corpus.source, "block_len": args.block_len,
                 "train_blocks": args.train_blocks, "eval_blocks": args.eval_blocks,
                 **({"world_size": world} if world > 1 else {})}
     parallel.same_on_every_rank("models, data or settings", settings)
     parallel.on_rank0(lambda: claim(out, "dlr-attacks", settings, inputs=[args.locked, original_spec, args.data]))
-    suite = attack_suite(original.model, locked.model, train, held, cfg, out, progress=not args.quiet)
+    suite = attack_suite(original_source if sharded else original, locked_source if sharded else locked, train, held,
+                         cfg, out, progress=not args.quiet)
+    shards = {"peak_rss_loaded_bytes": loaded_rss}  # under torchrun: also whether each model was read into
+    #                                                    shards, and this rank's share of its bytes
+    if sharded:
+        shards |= {"loaded_into_shards": {"locked": locked_source.streamed, "original": original_source.streamed},
+                  "loaded_param_bytes": {"locked": locked_source.local_bytes,
+                                         "original": original_source.local_bytes}}
     if rank != 0:  # rank 0 writes the tables and plots and reports
-        return {"rank": rank, "world_size": world, "peak_rss_bytes": peak_rss()}
+        return {"rank": rank, "world_size": world, "peak_rss_bytes": peak_rss(), **shards}
     rows = attack_table(suite)
-    lock = [h for h in history(locked.model) if h.get("method") == "dlr_lock"]
+    lock = [h for h in history(locked) if h.get("method") == "dlr_lock"]
     defender = sum(h["provenance"].get("distillation_seconds", 0.0) for h in lock) or None
     costs = adaptation_costs(suite, defender) if any(r["name"].endswith(" original") for r in suite["attacks"]) \
         else None
@@ -403,7 +427,8 @@ def run_attack(args) -> dict:
         costs["plot"] = draw("adaptation", lambda: plot_adaptation(suite, costs, out / "adaptation.png")
                              or out / "adaptation.png")
     return {"table": rows, "reverse": suite["reverse"], "adaptation": costs, "plot": plot, "out": str(out),
-            "locked": args.locked, "original": original_spec, "world_size": world, "peak_rss_bytes": peak_rss()}
+            "locked": args.locked, "original": original_spec, "world_size": world, "peak_rss_bytes": peak_rss(),
+            **shards}
 
 
 def _all_or_count(text: str) -> int | None:

@@ -76,11 +76,34 @@ def lora(rank: int = 8, target_modules: list[str] | None = None, target_paramete
     """A prepare() that wraps the model with LoRA adapters through peft (modules and/or raw parameters)."""
     from peft import LoraConfig, get_peft_model
 
-    def prepare(model: nn.Module) -> nn.Module:
-        cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=target_modules or [],
-                         target_parameters=target_parameters, lora_dropout=0.0, bias="none")
-        return get_peft_model(model, cfg)
+    def config() -> LoraConfig:
+        return LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=target_modules or [],
+                          target_parameters=target_parameters, lora_dropout=0.0, bias="none")
 
+    def prepare(model: nn.Module) -> nn.Module:
+        return get_peft_model(model, config())
+
+    def skeleton(model: nn.Module) -> nn.Module:  # what get_peft_model freezes: everything but the adapters
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def layer(model: nn.Module, i: int) -> None:
+        """Layer i's adapters, as get_peft_model makes them over the whole model (drawn in the same order, the
+        16-bit base's adapters held in float32 alike), once the layer's weights are read."""
+        from peft import LoraModel
+
+        from .. import parallel
+
+        block = parallel.find_layers(model)[i]
+        names = set(target_modules or [])
+        params = set(target_parameters or [])
+        if not any(n.rpartition(".")[2] in names for n, _ in block.named_modules()) and \
+                not any(n.rpartition(".")[2] in params for n, _ in block.named_parameters()):
+            return  # nothing of this layer is a target (get_peft_model passes it by too)
+        LoraModel(block, config(), "default")._cast_adapter_dtype("default", autocast_adapter_dtype=True)
+
+    prepare.skeleton, prepare.layer = skeleton, layer  # the same made a layer at a time (`finetune_attack`)
     return prepare
 
 
@@ -105,31 +128,41 @@ def finetune_attack(model: nn.Module, train_blocks: Tensor, eval_blocks: Tensor,
     torchrun with several ranks: sharded with FSDP2, every rank calling it with the same arguments)."""
     from .. import parallel
 
-    def structure(m: nn.Module) -> nn.Module:
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+    def structure(m: nn.Module, flags=prepare) -> nn.Module:
         for p in m.parameters():
             p.requires_grad_(True)
-        if prepare is not None:  # what it draws (LoRA's A matrices) is the same in every run and on every rank
-            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        if flags is not None:  # what it draws (LoRA's A matrices) is the same in every run and on every rank
             with torch.random.fork_rng(devices=devices):  # the caller's generators go on as they were
                 torch.manual_seed(cfg.seed)
-                m = prepare(m)
+                m = flags(m)
         if cfg.gradient_checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return m
 
     sharded = parallel.world()[1] > 1
-    if sharded:  # FSDP splits each rank's copy: they must be the same model
-        from ..files import model_fingerprint
+    if sharded:  # each rank's share of the copy made a layer at a time: no rank holds the model twice (or, for a
+        #         ShardedSource, at all)
+        flags_only = prepare is None or getattr(prepare, "flags_only", False)
+        if not flags_only and getattr(prepare, "layer", None) is None:
+            raise MLPSurgeryError(f"internal: attack {name!r} cannot be made a layer at a time")
+        flags = prepare if flags_only else prepare.skeleton
 
-        device = next(model.parameters()).device
-        if prepare is None or getattr(prepare, "flags_only", False):
-            # the copy made and sharded a layer at a time (the rank never holds the model twice)
-            parallel.same_on_every_rank("models to attack", model_fingerprint(model))
-            m = parallel.shard_copy(model, device, structure)
-        else:  # LoRA draws and wraps on real weights: a whole copy, sharded after
-            m = structure(copy.deepcopy(model))
-            parallel.same_on_every_rank("models to attack", model_fingerprint(m))
-            parallel.shard(m, device)
+        def work(m: nn.Module, i: int) -> None:  # the draws start from the seed, as `structure`'s whole-model ones
+            if i == 0:
+                torch.manual_seed(cfg.seed)
+            prepare.layer(m, i)
+
+        with torch.random.fork_rng(devices=devices):
+            if isinstance(model, parallel.ShardedSource):  # read afresh from the files
+                m = model.load(structure=lambda s: structure(s, flags), work=None if flags_only else work)
+            else:  # FSDP splits each rank's copy: they must be the same model
+                from ..files import model_fingerprint
+
+                parallel.same_on_every_rank("models to attack", model_fingerprint(model))
+                m = parallel.shard_copy(model, next(model.parameters()).device, lambda s: structure(s, flags),
+                                        work=None if flags_only else work)
     else:
         m = structure(copy.deepcopy(model))
     m.train()

@@ -101,15 +101,32 @@ def install_reversed(model: nn.Module, layers: list[int], parts: dict[str, Tenso
     the dense model the attacker then fine-tunes as the original is fine-tuned."""
     sites = find_sites(model)
     orig = _original_mlp_shape(model)
-    p = next(model.parameters())
     for j, i in enumerate(layers):
         if not isinstance(sites.mlp[i].module, DLRNet):
             raise MLPSurgeryError(f"layer {i} holds no DLR-Net to replace")
+        p = next(sites.layers()[i].parameters())  # (the other layers may not be read yet: `reversed_prepare`)
         mlp = DenseMLP(sites.config.hidden_size, orig["h"], orig["activation"], orig["gated"])
         prefix = f"mlp.{j}."
         mlp.load_state_dict({n[len(prefix):]: t for n, t in parts.items() if n.startswith(prefix)})
         sites.mlp[i].replace_subblock(ReversedSubblock(parts["norms"][j], mlp).to(device=p.device, dtype=p.dtype))
     return model
+
+
+def reversed_prepare(layers: list[int], parts: dict[str, Tensor]):
+    """The attack's prepare() that puts the reverse-distilled sub-blocks in place (`install_reversed`), also made a
+    layer at a time (`finetune_attack` under torchrun: each layer's sub-block once its weights are read)."""
+    def prepare(model: nn.Module) -> nn.Module:
+        return install_reversed(model, layers, parts)
+
+    def layer(model: nn.Module, i: int) -> None:
+        if i in layers:  # layer i's parts, as the first of a one-layer list
+            j = layers.index(i)
+            prefix = f"mlp.{j}."
+            own = {"mlp.0." + k[len(prefix):]: v for k, v in parts.items() if k.startswith(prefix)}
+            install_reversed(model, [i], {**own, "norms": parts["norms"][j:j + 1]})
+
+    prepare.skeleton, prepare.layer = (lambda model: model), layer
+    return prepare
 
 
 def _original_mlp_shape(locked: nn.Module) -> dict:
@@ -159,7 +176,9 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
     ranks (FSDP2, `finetune_attack`); rank 0 decides what is done (a finished result is rank 0's on every rank),
     writes the results and reports them. Reverse distillation is not split: every rank distils every layer, as one
     process does (rather than wait in a collective whose timeout a long distillation could pass), then takes rank
-    0's sub-blocks, so that every rank's copy of the reverse route is the same."""
+    0's sub-blocks, so that every rank's copy of the reverse route is the same. `original` and `locked` may be
+    parallel.ShardedSource (`attack dlr` under torchrun): each run then reads its copy from the files into shards, and
+    no rank holds either model whole; reverse distillation captures its pairs through a sharded copy."""
     from ... import parallel
     from ...measure.attacks import AttackConfig, finetune_attack, freeze, lora
 
@@ -177,15 +196,18 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
         if rank == 0:
             atomic_write_text(path, json.dumps(row))
         return json.loads(json.dumps(row))
-    spec = find_sites(locked).spec
+    # (a ShardedSource: a model read into shards afresh for each run; its structure answers what the runs are)
+    locked_skeleton, original_skeleton = (m.skeleton if isinstance(m, parallel.ShardedSource) else m
+                                          for m in (locked, original))
+    spec = find_sites(locked_skeleton).spec
     attn_targets = [n.rpartition(".")[2] for n in ([spec.q, spec.v] if spec.q else [spec.qkv])]
-    mlp_names = {n for n, _ in _dlr_modules(locked)}
+    mlp_names = {n for n, _ in _dlr_modules(locked_skeleton)}
 
     def is_dlr(name: str) -> bool:
         return any(name.startswith(m + ".") for m in mlp_names)
 
     def orig_mlp(name: str) -> bool:
-        return any(name.startswith(p) for p in _mlp_prefixes(original))
+        return any(name.startswith(p) for p in _mlp_prefixes(original_skeleton))
 
     jobs = []  # (family, name, model, AttackConfig overrides, prepare)
     if "finetune" in cfg.attacks:
@@ -230,9 +252,14 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
         if reverse is not None:
             parts = parallel.from_rank0(load_file(weights) if rank == 0 else None)
         else:
-            layers = [s.index for s in find_sites(locked).mlp if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
-            rev = reverse_distill(locked, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed,
+            layers = [s.index for s in find_sites(locked_skeleton).mlp
+                      if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
+            source = isinstance(locked, parallel.ShardedSource)
+            target = locked.load() if source else locked  # (sharded: its pairs captured by every rank together)
+            rev = reverse_distill(target, train_blocks, layers, cfg.reverse_steps, seed=cfg.seed,
                                   progress=progress and rank == 0)
+            if source:
+                parallel.drop(target)
             reverse, parts = parallel.from_rank0((rev.as_dict(), rev.parts))  # one distillation for every rank
             reverse["locked_layers"] = len(mlp_names)
             reverse["estimated_seconds_all_layers"] = rev.seconds_per_layer * len(mlp_names)
@@ -248,7 +275,7 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
                                     lr=cfg.variant_lr)
                 res = finetune_attack(locked, train_blocks, eval_blocks, acfg, name=name,
                                       progress=progress and rank == 0,
-                                      prepare=lambda m: install_reversed(m, reverse["layers"], parts))
+                                      prepare=reversed_prepare(reverse["layers"], parts))
                 row = write(run, {**res.as_dict(), "family": f"reverse distillation, then fine-tuning "
                                   f"lr={cfg.variant_lr:g}", "offset_seconds": reverse["seconds"]})
                 # the distillation comes first, on the attacker's clock
