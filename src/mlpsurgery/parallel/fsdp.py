@@ -1,143 +1,19 @@
-"""torch.distributed for the commands that train: joining the process group torchrun describes, rank 0's checks
-shared with every rank, and FSDP2 (`torch.distributed.fsdp.fully_shard`) for a model that outgrows one process.
-
-Sharded training is data parallel with every parameter, gradient and optimizer moment split across the ranks:
-`shard(model)` makes each decoder layer (the sites know where they are) one FSDP unit and the rest (embeddings,
-final norm, LM head, tied or not) the root unit, in place; while it is sharded, `rows(batch)` gives each rank its
-share of the step's batch (the global batch of one process, split in order), the gradients are averaged across
-ranks by FSDP, and `fit` (train.py) reports the loss averaged over the ranks, clips by the global gradient norm
-and checkpoints full tensors — so a sharded run computes what one process computes with the same batch (up to
-floating-point summation order), and a checkpoint written by N ranks resumes in one process or in M.
-`unshard(model)` turns the model back into the plain one, in place, with the trained weights (on every rank, or
-only on rank 0 with `keep_on=0`), ready to save.
-
-Commands join through `init(device)` under `torchrun --nproc-per-node N -m mlpsurgery ...`; gloo on CPU (what
-the tests run: two processes on one machine), NCCL on CUDA, one GPU per rank (LOCAL_RANK).
-"""
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for a model that outgrows one process: sharding a model in place
+(`shard`), reading one from its files into the shards a layer at a time (`load_sharded`, `ShardedSource`), copying
+one into shards a layer at a time (`shard_copy`), and back (`unshard`, `drop`, `save_sharded`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from .errors import MLPSurgeryError
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size) of the process group this process has joined; (0, 1) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def launched() -> bool:
-    """Whether torchrun started this process as one of several ranks."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def rank_device(device: str) -> str:
-    """The device this rank works on: under torchrun on CUDA, the GPU of its LOCAL_RANK (made current)."""
-    if device.startswith("cuda") and launched():
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        torch.cuda.set_device(device)
-    return device
-
-
-def init(device: str | torch.device = "cpu") -> tuple[int, int]:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); (rank, world size)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if not launched():
-        return 0, 1
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    if backend == "gloo":  # CPU ranks: large blocks mapped and returned when freed (glibc kept gigabytes that the
-        from .layerwise import map_large_allocations  # collectives had freed: docs/distributed.md)
-
-        map_large_allocations()
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def on_rank0(prepare: Callable[[], Any]) -> Any:
-    """Run rank 0's `prepare` (loading, checks, claims) and tell every rank how it went, before any rank waits on
-    another for work. A refusal on rank 0 is raised on every rank with the same class and message, so each
-    process ends with the one-line error (exit status 2) instead of the others dying on a closed connection.
-    Call it on every rank; the others get None. Without torch.distributed it is just `prepare()`."""
-    from . import errors
-
-    rank, size = world()
-    if size == 1:
-        return prepare()
-    out = failure = None
-    if rank == 0:
-        try:
-            out = prepare()
-        except BaseException as e:  # noqa: BLE001 - every failure is reported to the other ranks, then re-raised
-            failure = e
-    told = from_rank0(None if failure is None else
-                      (type(failure).__name__, str(failure), isinstance(failure, MLPSurgeryError)))
-    if failure is not None:
-        raise failure
-    if told is not None:
-        name, message, user = told
-        klass = getattr(errors, name, None) if user else None
-        if not (isinstance(klass, type) and issubclass(klass, MLPSurgeryError)):
-            klass = MLPSurgeryError if user else RuntimeError
-        raise klass(message if user else f"rank 0 failed before training ({name}: {message})")
-    return out
-
-
-def same_on_every_rank(what: str, value: Any) -> None:
-    """Refuse, on every rank, a run whose ranks disagree on `value` (settings, data, a model fingerprint)."""
-    import torch.distributed as dist
-
-    rank, size = world()
-    if size == 1:
-        return
-    seen: list[Any] = [None] * size
-    dist.all_gather_object(seen, value)
-    if any(v != seen[0] for v in seen):
-        raise MLPSurgeryError(f"the {size} ranks were given different {what}; start every rank with the same "
-                              "command and files")
-
-
-def share(items: list) -> list:
-    """This rank's share of `items` (every world-th one, from its rank on); all of them without a process group."""
-    rank, size = world()
-    return list(items)[rank::size]
-
-
-def all_gather(obj: Any) -> list[Any]:
-    """Every rank's `obj` (picklable; tensors travel on the CPU), in rank order; [obj] without a process group."""
-    import torch.distributed as dist
-
-    rank, size = world()
-    if size == 1:
-        return [obj]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if world()[1] > 1:
-        dist.barrier()
-
-
-# --------------------------------------------------------------------------------------------------
-# FSDP2
+from ..errors import MLPSurgeryError
+from .group import check_split, on_rank0, rank0_outcome, same_on_every_rank, world
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -207,9 +83,9 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     from torch.distributed.fsdp import fully_shard
     from tqdm.auto import tqdm
 
-    from .files import model_fingerprint
-    from .layerwise import LayerStream, SourceRecord, trim_heap
-    from .models import DEFAULT_MODEL, Loaded, _tokenizer, checkpoint_folder, load_model, working_dtype
+    from ..files import model_fingerprint
+    from ..layerwise import LayerStream, SourceRecord, trim_heap
+    from ..models import DEFAULT_MODEL, Loaded, _tokenizer, checkpoint_folder, load_model, working_dtype
 
     rank, size = world()
     if size == 1:
@@ -348,8 +224,8 @@ class ShardedSource:
 
     def __init__(self, spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  progress: bool = False):
-        from .files import model_fingerprint
-        from .io import source_of
+        from ..files import model_fingerprint
+        from ..io import source_of
 
         self.spec, self.device, self.dtype, self.progress = spec, device, dtype, progress
         self.loaded = self._read()  # (models.Loaded: its tokenizer and source; its model becomes the skeleton)
@@ -367,7 +243,7 @@ class ShardedSource:
         return self._read(structure, work).model
 
     def _read(self, structure=None, work=None):
-        from .io import source_of
+        from ..io import source_of
 
         loaded, stream = load_sharded(self.spec, self.device, work=work, progress=self.progress, dtype=self.dtype,
                                       structure=structure)
@@ -396,7 +272,7 @@ def _layer_list(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
-    from .sites import find_sites
+    from ..sites import find_sites
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return find_sites(base).layers()
@@ -486,8 +362,8 @@ def save_sharded(model: nn.Module, out: str | Path, tokenizer=None, overwrite: b
     gathered in turn and rank 0 writes it into the weights file at once (the file byte for byte what `save`
     writes of the same model), then every rank's model is the plain structure with its weights on the meta device
     (to be dropped). A failure on rank 0 is raised on every rank once the gathers are done (nothing is written)."""
-    from . import io
-    from .tensorfiles import shared_names
+    from .. import io
+    from ..tensorfiles import shared_names
 
     rank, _ = world()
     if not is_sharded(model):
@@ -527,27 +403,7 @@ def save_sharded(model: nn.Module, out: str | Path, tokenizer=None, overwrite: b
     rank0_outcome(failure[0] if failure else None, f"save {out}")
 
 
-def rank0_outcome(failure: BaseException | None, what: str) -> None:
-    """Every rank learns whether rank 0 did `what` (a write only rank 0 makes): rank 0's failure is raised there
-    and, worded, on the others -- instead of the others waiting at the next collective for a rank that is gone.
-    A collective: every rank calls it."""
-    told = from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
-    if failure is not None:
-        raise failure
-    if told is not None:
-        raise MLPSurgeryError(f"rank 0 could not {what} ({told})")
-
-
 _PLAIN = (bool, int, float, str, type(None))
-
-
-def check_split(n: int, flag: str = "--batch-size") -> None:
-    """Refuse a batch of `n` that the ranks cannot share equally (`flag`: the option that sets it)."""
-    size = world()[1]
-    if n % size:
-        raise MLPSurgeryError(f"a batch of {n} does not split evenly over {size} ranks; give a {flag} that "
-                              f"is a multiple of {size}")
-
 
 def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
     """This rank's share of a step's batch while `model` is sharded (the batch unchanged otherwise): the global
@@ -559,71 +415,6 @@ def rows(batch: Tensor | list, model: nn.Module) -> Tensor | list:
     check_split(n)
     per = n // size
     return batch[rank * per:(rank + 1) * per]
-
-
-def _collective_device() -> torch.device | None:
-    """Where a collective's tensors must be: this rank's GPU under NCCL (which reduces no CPU tensor); None (where
-    they are) under gloo."""
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-
-
-def sum_over_ranks_(t: Tensor) -> Tensor:
-    """Sum `t` over the ranks in place (a collective; on the backend's device, and back); `t` alone without a
-    process group."""
-    import torch.distributed as dist
-
-    if world()[1] == 1:
-        return t
-    dev = _collective_device()
-    if dev is None or t.device == dev:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    else:
-        there = t.detach().to(dev)
-        dist.all_reduce(there, op=dist.ReduceOp.SUM)
-        t.copy_(there)
-    return t
-
-
-def sum_over_ranks(values: Tensor) -> Tensor:
-    """The element-wise sum of `values` over the ranks (a collective); unchanged without a process group."""
-    if world()[1] == 1:
-        return values
-    return sum_over_ranks_(values.detach().clone())
-
-
-def mean_over_ranks(values: Tensor) -> Tensor:
-    """The element-wise mean of `values` over the ranks (a collective); unchanged without a process group."""
-    return sum_over_ranks(values) / world()[1]
-
-
-def from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (a collective; picklable, tensors on the CPU); `obj` without a process group."""
-    import torch.distributed as dist
-
-    if world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, device=_collective_device())
-    return box[0]
-
-
-def gather_to_rank0(obj: Any) -> list[Any] | None:
-    """Every rank's `obj` (picklable; tensors on the CPU), in rank order, on rank 0; None on the others (a
-    collective); [obj] without a process group."""
-    import torch.distributed as dist
-
-    rank, size = world()
-    if size == 1:
-        return [obj]
-    if _collective_device() is not None:  # NCCL (older releases gather no objects): every rank gets them, 0 keeps
-        every = all_gather(obj)
-        return every if rank == 0 else None
-    out: list[Any] | None = [None] * size if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
 
 def local_bytes(params) -> int:
     """Bytes this rank holds of the given parameters (its shard of a sharded one)."""
