@@ -4,8 +4,11 @@
 steps and wall-clock time, the held-out loss at intervals, the peak memory of one training step and
 whether the run diverged. Variants are expressed by `prepare(model) -> model`, applied to the copy before
 training: freeze parameters, wrap with LoRA (`lora`), switch on gradient checkpointing. The original model
-is never modified. Under torchrun the copy is sharded over the ranks (FSDP2, after `prepare`), each rank takes its
-share of every batch, and the cost measured is one rank's: its seconds and its peak memory.
+is never modified. Under torchrun the copy is sharded over the ranks (FSDP2), made a decoder layer at a time: a
+prepare() that sets flags sets them on the structure first, one that makes weights (LoRA's adapters) carries
+`.skeleton` (its flags) and `.layer(model, i)` (its weights for layer i, once the layer is real); the model may be a
+parallel.ShardedSource (read from its files for each run). Each rank takes its share of every batch, and the cost
+measured is one rank's: its seconds and its peak memory.
 """
 
 from __future__ import annotations
