@@ -630,6 +630,33 @@ def test_cli_attack_dlr_over_two_ranks_reads_both_models_into_shards_and_equals_
     assert "made with other settings or another model (world_size)" in buf.getvalue(), buf.getvalue()
 
 
+def test_cli_attack_dlr_in_bfloat16_over_two_ranks_equals_one_process(tmp_path):
+    """`attack dlr --dtype bfloat16` on a lock saved in float32: the original is read in the float32 it was locked
+    from (its fingerprint is checked on that; read in bfloat16 it was refused as another model) and held in
+    bfloat16; under torchrun LoRA's float32 adapters on the frozen bfloat16 layers are sharded (FSDP2 gathers a unit
+    of mixed dtypes; only trained parameters must share one), and every route equals one process's."""
+    from mlpsurgery.cli import main
+
+    ckpt, locked = _saved(tmp_path, "llama"), str(tmp_path / "locked")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([ckpt if a == "tiny:llama" else a for a in lock_args(
+            tmp_path, locked, "--phase2-steps", "0", "--onpolicy-steps", "0", "--eval-tokens", "0")]) == 0
+    attack = ["attack", "dlr", locked, "--original", ckpt, "--attacks", "finetune,lora", "--lrs", "1e-3", "--steps",
+              "2", "--batch", "2", "--block-len", "32", "--train-blocks", "8", "--eval-blocks", "2", "--data",
+              str(tmp_path / "t.txt"), "--dtype", "bfloat16", "--json", "--quiet"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(attack + ["--out", str(tmp_path / "one")]) == 0
+    (c0, log0), (c1, log1) = ranks(tmp_path, attack + ["--out", str(tmp_path / "two")])
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    suite1 = json.loads((tmp_path / "one" / "suite.json").read_text())["attacks"]
+    suite2 = json.loads((tmp_path / "two" / "suite.json").read_text())["attacks"]
+    assert "LoRA on DLR locked" in {a["name"] for a in suite2}
+    for a, b in zip(suite1, suite2, strict=True):
+        assert a["name"] == b["name"] and a["trainable_params"] == b["trainable_params"], a["name"]
+        for x, y in zip(a["history"] + a["eval"], b["history"] + b["eval"], strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], abs=2e-3), (a["name"], x["step"])  # bfloat16 sums
+
+
 def test_a_sharded_source_reads_afresh_and_refuses_files_changed_meanwhile(tmp_path):
     """parallel.ShardedSource (what `attack dlr` keeps under torchrun): between reads only the structure, on meta;
     each read holds about half per rank and fingerprints as the model loaded whole; a checkpoint whose weights

@@ -81,15 +81,8 @@ def run_lock(args) -> dict:
         if not spec:
             raise MLPSurgeryError("the locked folder names its original model only by name and fingerprint; pass "
                                   "--original MODEL (it is checked against the fingerprint)")
-        import torch
-
-        from ..io import read_manifest
-        from ..models import checkpoint_folder
-
         # read in the dtype it was locked in (what its recorded fingerprint is of), then run in the working one
-        saved = read_manifest(checkpoint_folder(args.model)[0]).get("dtype")
-        saved = getattr(torch, saved) if saved else None
-        held = next(model.parameters()).dtype
+        saved, held = _locked_dtype(args.model), next(model.parameters()).dtype
         if sharded:
             stage(args, f"loading the original model {model_name(spec)} into {world} shards, layer by layer")
             original = parallel.load_sharded(spec, device, progress=not args.quiet, dtype=saved, hold=held)[0].model
@@ -171,6 +164,18 @@ def run_lock(args) -> dict:
     if "original" in evals and "phase2" in evals:
         res["heldout_ratio"] = evals["phase2"]["heldout"] / evals["original"]["heldout"]
     return res
+
+
+def _locked_dtype(locked: str):
+    """The dtype a locked folder was saved in: its original is read in it (what the fingerprint the folder records is
+    of) and then held in the working dtype, so that --dtype does not make the original look like another model."""
+    import torch
+
+    from ..io import read_manifest
+    from ..models import checkpoint_folder
+
+    saved = read_manifest(checkpoint_folder(locked)[0]).get("dtype")
+    return getattr(torch, saved) if saved else None
 
 
 def _config(args):
@@ -378,16 +383,18 @@ def run_attack(args) -> dict:
         raise MLPSurgeryError("the locked folder names its original model only by name and fingerprint; pass "
                               "--original MODEL (it is checked against the fingerprint)")
     stage(args, f"loading the original model {original_spec}" + (" into shards" if sharded else ""))
+    # read in the dtype it was locked in (what the recorded fingerprint is of), then held in the working one
+    saved, held = _locked_dtype(args.locked), next(locked.parameters()).dtype
     if sharded:
-        original_source = parallel.ShardedSource(original_spec, dev, progress=not args.quiet)
+        original_source = parallel.ShardedSource(original_spec, dev, progress=not args.quiet, dtype=saved, hold=held)
         original = original_source.skeleton
     else:
-        original = load_model(original_spec).model
+        original = load_model(original_spec, dtype=saved).model
     check_source(locked, original, original_spec)
     check_context(locked, args.block_len)
     if not sharded:
         locked.to(dev)
-        original.to(dev)
+        original.to(device=dev, dtype=held)
     loaded_rss = peak_rss()  # the peak of loading both models (under torchrun: of reading each into shards once)
     tok = (locked_source.loaded if sharded else loaded).require_tokenizer()
     corpus = load_corpus(args.data, tok)

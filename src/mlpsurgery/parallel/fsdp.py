@@ -57,10 +57,12 @@ def shard(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
 
 
 def _one_dtype(params, what: str) -> None:
-    """Refuse parameters of several dtypes (FSDP shards a unit's parameters as one flat buffer)."""
-    dtypes = {p.dtype for p in params}
+    """Refuse trained parameters of several dtypes: FSDP2 reduce-scatters a unit's gradients as one buffer of one
+    dtype. Frozen parameters may differ (it all-gathers a unit of mixed dtypes as bytes): LoRA's float32 adapters
+    on a 16-bit model, as peft holds them."""
+    dtypes = {p.dtype for p in params if p.requires_grad}
     if len(dtypes) > 1:
-        raise MLPSurgeryError(f"{what} mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
+        raise MLPSurgeryError(f"{what} mixes trained parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one: "
                               "load it with --dtype")
 
 
@@ -223,11 +225,12 @@ class ShardedSource:
     every later read is checked against them, so files changed meanwhile are refused, not trained on."""
 
     def __init__(self, spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 progress: bool = False):
+                 progress: bool = False, hold: torch.dtype | None = None):
+        """dtype, hold: as `load_sharded` takes them (read in, then held in)."""
         from ..files import model_fingerprint
         from ..io import source_of
 
-        self.spec, self.device, self.dtype, self.progress = spec, device, dtype, progress
+        self.spec, self.device, self.dtype, self.hold, self.progress = spec, device, dtype, hold, progress
         self.loaded = self._read()  # (models.Loaded: its tokenizer and source; its model becomes the skeleton)
         model = self.loaded.model
         self.fingerprint = model_fingerprint(model)
@@ -246,7 +249,7 @@ class ShardedSource:
         from ..io import source_of
 
         loaded, stream = load_sharded(self.spec, self.device, work=work, progress=self.progress, dtype=self.dtype,
-                                      structure=structure)
+                                      hold=self.hold, structure=structure)
         self.streamed = stream is not None
         del stream
         if not self.streamed:
