@@ -384,9 +384,10 @@ def run_attack(args) -> dict:
                               "--original MODEL (it is checked against the fingerprint)")
     stage(args, f"loading the original model {original_spec}" + (" into shards" if sharded else ""))
     # read in the dtype it was locked in (what the recorded fingerprint is of), then held in the working one
-    saved, held = _locked_dtype(args.locked), next(locked.parameters()).dtype
+    saved, working = _locked_dtype(args.locked), next(locked.parameters()).dtype
     if sharded:
-        original_source = parallel.ShardedSource(original_spec, dev, progress=not args.quiet, dtype=saved, hold=held)
+        original_source = parallel.ShardedSource(original_spec, dev, progress=not args.quiet, dtype=saved,
+                                                 hold=working)
         original = original_source.skeleton
     else:
         original = load_model(original_spec, dtype=saved).model
@@ -394,7 +395,7 @@ def run_attack(args) -> dict:
     check_context(locked, args.block_len)
     if not sharded:
         locked.to(dev)
-        original.to(device=dev, dtype=held)
+        original.to(device=dev, dtype=working)
     loaded_rss = peak_rss()  # the peak of loading both models (under torchrun: of reading each into shards once)
     tok = (locked_source.loaded if sharded else loaded).require_tokenizer()
     corpus = load_corpus(args.data, tok)

@@ -74,8 +74,9 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     are read one decoder layer at a time (layerwise.LayerStream), layer i handed to `work(model, i)` (a surgery that
     may replace its modules; the other layers may be on the meta device), compared across the ranks and
     sharded before the next is read. structure(model): flags set on the whole model before any layer is read
-    (requires_grad, gradient checkpointing: the layers' weights are on meta then, and a layer read keeps them). A rank's peak is its share of the model plus one whole layer (and the
-    embeddings while they are read), instead of the whole model on every rank. Every rank calls it. A model the
+    (requires_grad, gradient checkpointing: the layers' weights are on meta then, and a layer read keeps them).
+    A rank's peak is its share of the model plus one whole layer (and the embeddings while they are read), instead
+    of the whole model on every rank. Every rank calls it. A model the
     layer-by-layer reader cannot read (a tiny:ARCH model, no safetensors, a conversion on loading, modules kept in
     float32, pruning masks) is loaded whole as load_model loads it, `work` run on each layer, and left for `shard`.
     dtype: the dtype the files are read in (default: the working one, --dtype); what the recorded source fingerprint
