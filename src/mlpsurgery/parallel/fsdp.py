@@ -222,8 +222,10 @@ class ShardedSource:
     """A model that every rank reads from its files into FSDP2 shards afresh for each use (`load_sharded`), holding
     in between only its structure with every weight on the meta device: what a command that trains several copies
     of a model (the attack suite: a fresh copy per run) keeps instead of the model whole on every rank. Made once on
-    every rank: the first read gives `fingerprint` (the whole model's, each tensor gathered in turn) and `source`;
-    every later read is checked against them, so files changed meanwhile are refused, not trained on."""
+    every rank: the first read gives `fingerprint` (the whole model's, each tensor gathered in turn) and `source`.
+    Files changed meanwhile are refused, not trained on: every later read's source must equal the first's (a stock
+    checkpoint's is the fingerprint of its tensors, recomputed as they are read), and a folder mlpsurgery wrote is
+    checked against its manifest's file digests on every read."""
 
     def __init__(self, spec: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  progress: bool = False, hold: torch.dtype | None = None):
