@@ -99,17 +99,22 @@ class ReversedSubblock(nn.Module):
 def install_reversed(model: nn.Module, layers: list[int], parts: dict[str, Tensor]) -> nn.Module:
     """Put the reverse-distilled sub-blocks (`ReverseResult.parts`) in place of the DLR-Nets at `layers`, in place:
     the dense model the attacker then fine-tunes as the original is fine-tuned."""
-    sites = find_sites(model)
-    orig = _original_mlp_shape(model)
     for j, i in enumerate(layers):
-        if not isinstance(sites.mlp[i].module, DLRNet):
-            raise MLPSurgeryError(f"layer {i} holds no DLR-Net to replace")
-        p = next(sites.layers()[i].parameters())  # (the other layers may not be read yet: `reversed_prepare`)
-        mlp = DenseMLP(sites.config.hidden_size, orig["h"], orig["activation"], orig["gated"])
-        prefix = f"mlp.{j}."
-        mlp.load_state_dict({n[len(prefix):]: t for n, t in parts.items() if n.startswith(prefix)})
-        sites.mlp[i].replace_subblock(ReversedSubblock(parts["norms"][j], mlp).to(device=p.device, dtype=p.dtype))
+        _install_one(model, i, j, parts)
     return model
+
+
+def _install_one(model: nn.Module, i: int, j: int, parts: dict[str, Tensor]) -> None:
+    """Layer i's DLR-Net replaced by the j-th reverse-distilled sub-block of `parts`."""
+    sites = find_sites(model)
+    if not isinstance(sites.mlp[i].module, DLRNet):
+        raise MLPSurgeryError(f"layer {i} holds no DLR-Net to replace")
+    orig = _original_mlp_shape(model)
+    p = next(sites.layers()[i].parameters())  # (the other layers may not be read yet: `reversed_prepare`)
+    mlp = DenseMLP(sites.config.hidden_size, orig["h"], orig["activation"], orig["gated"])
+    prefix = f"mlp.{j}."
+    mlp.load_state_dict({n[len(prefix):]: t for n, t in parts.items() if n.startswith(prefix)})
+    sites.mlp[i].replace_subblock(ReversedSubblock(parts["norms"][j], mlp).to(device=p.device, dtype=p.dtype))
 
 
 def reversed_prepare(layers: list[int], parts: dict[str, Tensor]):
@@ -119,11 +124,8 @@ def reversed_prepare(layers: list[int], parts: dict[str, Tensor]):
         return install_reversed(model, layers, parts)
 
     def layer(model: nn.Module, i: int) -> None:
-        if i in layers:  # layer i's parts, as the first of a one-layer list
-            j = layers.index(i)
-            prefix = f"mlp.{j}."
-            own = {"mlp.0." + k[len(prefix):]: v for k, v in parts.items() if k.startswith(prefix)}
-            install_reversed(model, [i], {**own, "norms": parts["norms"][j:j + 1]})
+        if i in layers:
+            _install_one(model, i, layers.index(i), parts)
 
     prepare.skeleton, prepare.layer = (lambda model: model), layer
     return prepare
