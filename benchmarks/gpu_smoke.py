@@ -41,7 +41,7 @@ TRAINED = 0.25  # after training steps on two devices
 # MASK_AGREEMENT of the weights either pruned (measured on an H100: Wanda 0.9988, SparseGPT 0.941).
 PRUNED = "masks"
 QUALITY = "quality"
-MASK_AGREEMENT = {"wanda": 0.99, "sparsegpt": 0.90}
+MASK_AGREEMENT = {"wanda": 0.99, "sparsegpt": 0.90, "sparsegpt-lw": 0.90}
 SPREAD = 1.25
 
 
@@ -72,6 +72,18 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
         ("nest rank", ["nest", "rank", str(w / "nested"), "--rank", "64", "--out", str(w / "rank64")], "rank64", BF16),
         ("twist extract", ["twist", "extract", str(m), "--keep", "6", "--out", str(w / "subnet")], "subnet", BF16),
         ("lock dlr", ["lock", "dlr", str(m), *dlr, "--out", str(w / "dlr")], "dlr", TRAINED),
+        # layer by layer (each layer worked on the device, the activations between layers in host memory)
+        ("eval ppl --layerwise", ["eval", "ppl", str(m), "--max-tokens", "4096", "--block-len", "256", "--layerwise"],
+         None, 0),
+        ("prune sparsegpt --layerwise", ["prune", str(m), "--method", "sparsegpt", "--sparsity", "0.5", "--calib-blocks",
+                                         "8", "--block-len", "128", "--layerwise", "--out", str(w / "sparsegpt-lw")],
+         "sparsegpt-lw", PRUNED),
+        ("fuse fusion + tuning --layerwise", ["fuse", str(m), "--width", str(width), "--layers", "0,1", "--tune-data",
+                                              "austen", "--tune-blocks", "8", "--block-len", "64", "--layerwise",
+                                              "--out", str(w / "fusion-lw")], "fusion-lw", QUALITY),
+        ("nest --layerwise", ["nest", str(m), "--layerwise", "--out", str(w / "nested-lw")], "nested-lw", BF16),
+        ("lock dlr --layerwise", ["lock", "dlr", str(m), *dlr[:-1], "--layerwise", "--out", str(w / "dlr-lw")],
+         "dlr-lw", TRAINED),
     ]
 
 

@@ -151,3 +151,124 @@ def test_dlr_lock_on_the_device_matches(device, tmp_path):
     a, b = (r if isinstance(r, dict) else r.as_dict() for r in reps)
     for layer, err in a["phase1_relative_error"].items():
         assert b["phase1_relative_error"][layer] == pytest.approx(err, rel=0.02), layer
+
+
+# ---- the layer-sequential mode with each layer on the device (layerwise.LayerStream(device=...)) --------------
+
+
+def _on(t, device) -> bool:
+    return t.device.type == torch.device(device).type
+
+
+def test_layer_stream_works_each_layer_on_the_device_and_hands_out_host_tensors(device, tmp_path):
+    """The resident parts and the layer being worked on are on the device, the activations between layers and
+    every tensor handed out (for files and fingerprints) in host memory, equal to the CPU stream's; perplexity
+    through the stream matches."""
+    from conftest import saved_checkpoint
+    from mlpsurgery.layerwise import LayerStream
+    from mlpsurgery.measure.perplexity import perplexity_layerwise
+
+    src = saved_checkpoint(tmp_path, "llama")
+    cpu, dev = LayerStream(src), LayerStream(src, device=device)
+    assert all(_on(p, device) for p in dev.model.parameters() if not p.is_meta)
+    assert all(t.device.type == "cpu" for t in dev.resident_state().values())
+    assert {n: torch.equal(t, cpu.resident_state()[n]) for n, t in dev.resident_state().items()} == \
+        {n: True for n in cpu.resident_state()}
+    data = torch.randint(3, 200, (6, 24), generator=torch.Generator().manual_seed(0))
+    a, b = cpu.layer_inputs(data, batch_size=4), dev.layer_inputs(data, batch_size=4)
+    for i in range(cpu.n_layers):
+        cpu.materialise(i)
+        layer = dev.materialise(i)
+        assert all(_on(p, device) for p in layer.parameters())
+        state, ref = dev.layer_state(i), cpu.layer_state(i)
+        assert all(t.device.type == "cpu" and torch.equal(t, ref[n]) for n, t in state.items())
+        a, b = cpu.run(i, a), dev.run(i, b)
+        assert all(y.device.type == "cpu" for y in b.hidden)
+        assert max(_rel(y, x) for x, y in zip(a.hidden, b.hidden)) < 1e-4, i
+        cpu.release(i)
+        dev.release(i)
+        assert all(p.is_meta for p in dev.layers[i].parameters())
+    seqs = [torch.randint(3, 200, (90,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    pa = perplexity_layerwise(LayerStream(src), seqs, block_len=32, progress=False)
+    pb = perplexity_layerwise(LayerStream(src, device=device), seqs, block_len=32, progress=False)
+    assert pb.tokens == pa.tokens and pb.ppl == pytest.approx(pa.ppl, rel=1e-4)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_pruning_layer_by_layer_on_the_device_matches_the_cpu(device, ids, tmp_path, method):
+    """The same folder as the CPU run's up to the device's arithmetic: the source fingerprint exactly (taken of
+    the tensors as read), the masks within 1% (calibrated: near-ties), the pruned model's outputs within 1e-2."""
+    import json
+
+    from conftest import file_tensors, saved_checkpoint
+    from mlpsurgery.io import load
+    from mlpsurgery.methods.pruning_layerwise import prune_layerwise
+
+    src = saved_checkpoint(tmp_path, "llama")
+    data = torch.randint(3, 200, (8, 32), generator=torch.Generator().manual_seed(0))
+    reps = [prune_layerwise(src, tmp_path / name, method, 0.5, data=data if method != "magnitude" else None,
+                            progress=False, device=d) for name, d in (("cpu", "cpu"), ("dev", device))]
+    assert reps[1]["device"].startswith(torch.device(device).type)
+    man = [json.loads((tmp_path / name / "surgery.json").read_text()) for name in ("cpu", "dev")]
+    assert man[1]["source"] == man[0]["source"] and man[1]["history"] == man[0]["history"]
+    fa, fb = file_tensors(tmp_path / "cpu"), file_tensors(tmp_path / "dev")
+    assert fa.keys() == fb.keys()
+    agree = [float(((fa[k] != 0) == (fb[k] != 0)).float().mean()) for k in fa]
+    assert min(agree) > (0.999999 if method == "magnitude" else 0.99)
+    assert _rel(_out(load(tmp_path / "dev"), ids), _out(load(tmp_path / "cpu"), ids)) < 1e-2
+
+
+def test_fusion_and_nesting_layer_by_layer_on_the_device_match_the_cpu(device, ids, tmp_path):
+    """fuse --layerwise with tune data (capture, k-means, tuning of each layer on the device) and nest --layerwise
+    (each layer's SVDs on the device): the same source, per-layer errors within 5% (k-means may split a tie
+    otherwise), the nested model's outputs within 1e-4 (the SVD's signs may differ, not its product)."""
+    import json
+
+    from conftest import saved_checkpoint
+    from mlpsurgery.io import load
+    from mlpsurgery.methods.fusion import FusionConfig
+    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+    from mlpsurgery.methods.nsn import NSNConfig
+    from mlpsurgery.methods.nsn.layerwise import nest_layerwise
+
+    src = saved_checkpoint(tmp_path, "llama")
+    blocks = torch.randint(3, 200, (8, 32), generator=torch.Generator().manual_seed(0))
+    cfg = FusionConfig(width=16, layers="all", tune_steps=4, tune_batch=64)
+    fused = [fuse_layerwise(src, tmp_path / f"fuse-{n}", cfg, tune_data=blocks, workdir=tmp_path / f"fuse-{n}.work",
+                            progress=False, device=d) for n, d in (("cpu", "cpu"), ("dev", device))]
+    assert fused[1]["device"].startswith(torch.device(device).type)
+    for ra, rb in zip(fused[0]["sites"], fused[1]["sites"]):
+        assert rb["error_rel"] == pytest.approx(ra["error_rel"], rel=0.05)
+        assert rb["error_rel_tuned"] == pytest.approx(ra["error_rel_tuned"], rel=0.05)
+    nested = [nest_layerwise(src, tmp_path / f"nest-{n}", NSNConfig(), progress=False, device=d)
+              for n, d in (("cpu", "cpu"), ("dev", device))]
+    assert nested[1]["device"].startswith(torch.device(device).type)
+    for kind in ("fuse", "nest"):
+        man = [json.loads((tmp_path / f"{kind}-{n}" / "surgery.json").read_text()) for n in ("cpu", "dev")]
+        assert man[1]["source"] == man[0]["source"], kind
+    assert _rel(_out(load(tmp_path / "nest-dev"), ids), _out(load(tmp_path / "nest-cpu"), ids)) < 1e-4
+
+
+def test_dlr_lock_layer_by_layer_on_the_device_matches_the_cpu(device, tmp_path):
+    """`lock dlr --layerwise` with each layer captured and its net trained on the device (on-policy steps
+    included): the per-layer phase-1 errors within 2% of the CPU run's, the same source."""
+    import json
+
+    from conftest import saved_checkpoint
+    from mlpsurgery.methods.dlr_lock import DLRConfig
+    from mlpsurgery.methods.dlr_lock.layerwise import lock_layerwise, open_stream
+
+    src = saved_checkpoint(tmp_path, "llama")
+    calib = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+    cfg = DLRConfig(rank=8, calib_blocks=16, block_len=32, phase1_steps=20, phase1_lr=1e-2, phase1_tokens=128,
+                    phase2_steps=0, compile=False)
+    reps = []
+    for name, d in (("cpu", "cpu"), ("dev", device)):
+        stream = open_stream(src, tmp_path / f"{name}.work", device=d)
+        reps.append(lock_layerwise(stream, tmp_path / name, cfg, calib, tmp_path / f"{name}.work", progress=False))
+    assert reps[1]["device"].startswith(torch.device(device).type)
+    a, b = (r["report"] for r in reps)
+    for layer, err in a["phase1_relative_error"].items():
+        assert b["phase1_relative_error"][layer] == pytest.approx(err, rel=0.02), layer
+    man = [json.loads((tmp_path / name / "surgery.json").read_text()) for name in ("cpu", "dev")]
+    assert man[1]["source"] == man[0]["source"]

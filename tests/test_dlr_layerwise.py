@@ -194,17 +194,17 @@ def test_cli_lock_dlr_layerwise_and_its_refusals(tmp_path, capsys):
     assert not (tmp_path / "out.work").exists()  # ours, removed on success
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     # refused, exit 2, nothing written: phase 2's top-k at the vocabulary (checked before phase 1 runs),
-    # --max-memory without the layer-by-layer mode, a model without files
+    # --max-memory without the layer-by-layer mode, a model without files, a GPU this machine does not have
     assert main(["lock", "dlr", *common, "--layerwise", "--top-k", "100000", "--out", str(tmp_path / "x1")]) == 2
     assert main(["lock", "dlr", *common, "--phase2-steps", "0", "--no-layerwise", "--max-memory", "1",
                  "--out", str(tmp_path / "x2")]) == 2
     assert main(["lock", "dlr", "tiny:llama", "--layerwise", "--phase2-steps", "0", "--out", str(tmp_path / "x3")]) == 2
-    assert main(["lock", "dlr", *common, "--layerwise", "--device", "cuda", "--out", str(tmp_path / "x4")]) == 2
+    assert main(["lock", "dlr", *common, "--layerwise", "--device", "cuda:99", "--out", str(tmp_path / "x4")]) == 2
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work", "x2.work", "x3.work",
                                                       "x4.work"))
     err = capsys.readouterr().err
     assert "vocabulary size 260" in err and "add --layerwise" in err and "no weight files" in err
-    assert "phase 1 on the CPU" in err
+    assert "--device cuda:99" in err and "CUDA device" in err
 
 
 def test_cli_lock_dlr_by_default_runs_phase1_layer_by_layer_then_phase2_as_the_two_commands_do(tmp_path, capsys,

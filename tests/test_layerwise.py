@@ -301,6 +301,37 @@ def test_cli_eval_ppl_layerwise_equals_the_whole_model_command(tmp_path, capsys)
     byte_tokenizer().save_pretrained(bert)
     assert main(["eval", "ppl", "tiny:llama", "--layerwise"]) == 2
     assert main(["eval", "ppl", str(bert), "--layerwise"]) == 2
-    assert main([*common, "--layerwise", "--device", "cuda"]) == 2
+    assert main([*common, "--layerwise", "--device", "cuda:99"]) == 2  # no such GPU here (nor on a 1-GPU machine)
     err = capsys.readouterr().err
-    assert "no weight files" in err and "causal language model" in err and "runs on the CPU" in err
+    assert "no weight files" in err and "causal language model" in err and "CUDA device" in err
+
+
+def test_cli_layerwise_commands_refuse_a_device_they_do_not_work_on(tmp_path, capsys):
+    """CoreLocker, TwIST extraction, `nest rank` and Fisher pruning work each layer on the CPU: a GPU named with
+    --device is refused (exit 2, one line, nothing written) rather than ignored; an unusable --device is refused by
+    every command before any work."""
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama")
+    byte_tokenizer().save_pretrained(src)
+    out, key = tmp_path / "out", tmp_path / "k.key"
+    gpu = ["--layerwise", "--device", "cuda"]
+    capsys.readouterr()  # (the checkpoint's writing)
+    for argv, what in (
+            (["lock", "key", str(src), "--ratio", "0.05", "--out", str(out), "--key", str(key), *gpu], "lock key"),
+            (["unlock", str(src), "--key", str(key), "--out", str(out), *gpu], "unlock"),
+            (["twist", "extract", str(src), "--keep", "2", "--out", str(out), *gpu], "twist extract"),
+            (["nest", "rank", str(src), "--rank", "4", "--out", str(out), *gpu], "nest rank"),
+            (["prune", str(src), "--method", "fisher", "--sparsity", "0.5", "--calib-blocks", "2", "--block-len", "16",
+              "--out", str(out), *gpu], "prune --method fisher")):
+        assert main(argv) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"{what} --layerwise works each layer on the CPU, not on cuda" in err, err
+        assert not out.exists() and not key.exists()
+    for bad, words in (("gpu0", "not a device name"), ("cuda:99", "CUDA device")):
+        assert main(["inspect", str(src), "--device", bad]) == 2
+        assert words in capsys.readouterr().err
+        assert main(["prune", str(src), "--method", "magnitude", "--sparsity", "0.5", "--layerwise", "--out", str(out),
+                     "--device", bad]) == 2
+        assert words in capsys.readouterr().err and not out.exists()

@@ -23,6 +23,13 @@ for bit where the arithmetic is the same. The output is streamed into one safete
 (`SafetensorsWriter`): its header is known from the skeleton's shapes before any layer is read, each tensor is
 written at its offset once its layer is done. Peak memory: the resident parts, one layer (and its copy being
 written), the activations in and out (on disk past `max_memory_gb`), the method's per-layer statistics.
+
+On a GPU (`device`): the resident parts live on it, each layer is read into host memory and moved there while it
+is worked on, and the activations between layers stay in host memory (or on disk), each batch moved to the device
+for its run and back: the device holds the embeddings and head, one layer and one batch, however deep the model.
+What leaves the stream -- a layer's tensors for the output file and the source fingerprint, the resident parts --
+is handed out in host memory (`layer_state`, `resident_state`, `outside_state`), so files and fingerprints are
+the CPU run's.
 """
 
 from __future__ import annotations
@@ -102,8 +109,10 @@ class LayerStream:
     """A transformers checkpoint held as a skeleton whose decoder (encoder) layers are read one at a time."""
 
     def __init__(self, folder: Path, dtype=None, task: str = "auto", max_memory_gb: float | None = None,
-                 spill_dir: Path | None = None, ckpt: LazyCheckpoint | None = None, verify: bool = True):
-        """ckpt: the folder's checkpoint, where the caller has already opened it (its headers are read once).
+                 spill_dir: Path | None = None, ckpt: LazyCheckpoint | None = None, verify: bool = True,
+                 device: str | torch.device | None = None):
+        """device: where each layer (and the resident parts) computes (the module docstring); the CPU by default.
+        ckpt: the folder's checkpoint, where the caller has already opened it (its headers are read once).
         A folder mlpsurgery wrote is read as `io.load` reads it: its manifest checked (and, unless verify=False
         because the caller just did, every file against its digest), the structure it records rebuilt (replaced
         modules, narrowed layers), its dtype the default, its history and source carried; `self.manifest` holds it
@@ -115,6 +124,7 @@ class LayerStream:
         from .sites import arch_spec
 
         self.folder = Path(folder)
+        self.device = torch.device(device if device is not None else "cpu")
         self.ckpt = ckpt if ckpt is not None else LazyCheckpoint(self.folder)
         self.manifest = read_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
         if self.manifest is None:
@@ -194,6 +204,7 @@ class LayerStream:
                                   if not t.is_meta)
         self.layer_bytes = [sum(p.numel() * p.element_size() for p in layer.state_dict().values())
                             for layer in self.layers]
+        self._place(model)  # the resident parts and the buffers computed at construction (rotary tables)
 
     # -- names ------------------------------------------------------------------------------------------
 
@@ -247,7 +258,31 @@ class LayerStream:
         state = layer.state_dict(keep_vars=True)
         layer.load_state_dict({n: self._read(self.prefixes[i] + n, t) for n, t in state.items()},
                               strict=True, assign=True)
+        self._place(layer)
         return layer
+
+    def _place(self, module: nn.Module) -> None:
+        """Every tensor of `module` that is not on the meta device onto self.device (a tied parameter stays one)."""
+        if self.device.type == "cpu":
+            return
+        moved: dict[int, Tensor] = {}
+        for mod in module.modules():
+            for k, p in mod._parameters.items():
+                if p is not None and not p.is_meta:
+                    if id(p) not in moved:
+                        moved[id(p)] = nn.Parameter(p.data.to(self.device), requires_grad=p.requires_grad)
+                    mod._parameters[k] = moved[id(p)]
+            for k, b in mod._buffers.items():
+                if b is not None and not b.is_meta:
+                    mod._buffers[k] = b.to(self.device)
+
+    def host(self, t: Tensor) -> Tensor:
+        """t in host memory (itself when the stream works on the CPU)."""
+        return t.to("cpu")
+
+    def to_device(self, t: Tensor) -> Tensor:
+        """t on the stream's device (itself when it is there)."""
+        return t.to(self.device)
 
     def release(self, i: int) -> None:
         """Layer i back to the meta device (its masks too: their names stay for the manifest)."""
@@ -261,8 +296,8 @@ class LayerStream:
         trim_heap()
 
     def layer_state(self, i: int) -> dict[str, Tensor]:
-        """Layer i's persistent tensors under their whole-model names."""
-        return {self.prefixes[i] + n: t for n, t in self.layers[i].state_dict().items()}
+        """Layer i's persistent tensors under their whole-model names, in host memory."""
+        return {self.prefixes[i] + n: self.host(t) for n, t in self.layers[i].state_dict().items()}
 
     # -- activations --------------------------------------------------------------------------------------
 
@@ -309,7 +344,7 @@ class LayerStream:
             args = args[1:] if args and args[0] is h else args
             calls[j].append((args, kwargs))
             if j == 0:
-                hidden.append(h.detach())
+                hidden.append(self.host(h.detach()))
             if j == last:
                 raise _StopRecording
             return h
@@ -323,7 +358,7 @@ class LayerStream:
             with torch.no_grad():
                 for x in batches:
                     try:
-                        self.model(input_ids=x, **kw)
+                        self.model(input_ids=self.to_device(x), **kw)
                     except _StopRecording:
                         pass
         finally:
@@ -345,11 +380,11 @@ class LayerStream:
         with torch.no_grad():
             for b, h in enumerate(acts.hidden):
                 args, kwargs = acts.calls[i][b]
-                y = layer(h, *args, **kwargs)
+                y = layer(self.to_device(h), *args, **kwargs)
                 self.tuple_out = isinstance(y, (tuple, list))  # the layers' output form (for `outputs`)
                 if keep:
                     y = y[0] if isinstance(y, (tuple, list)) else y
-                    out.append(self._store(y, self.disk, f"{tag}layer{i}-{b}"))
+                    out.append(self._store(self.host(y), self.disk, f"{tag}layer{i}-{b}"))
         if not keep:
             return None
         if self.disk and not keep_inputs:
@@ -378,8 +413,8 @@ class LayerStream:
                 self.release(i)
         results = []
         for b, x in enumerate(batches):
-            with self.past_layers(acts.hidden[b]), torch.no_grad():
-                results.append(fn(b, self.model(input_ids=x, **self.call_kwargs())))
+            with self.past_layers(self.to_device(acts.hidden[b])), torch.no_grad():
+                results.append(fn(b, self.model(input_ids=self.to_device(x), **self.call_kwargs())))
         return results
 
     @contextlib.contextmanager
@@ -424,8 +459,16 @@ class LayerStream:
         return names[:first], names[last + 1:]
 
     def resident_state(self) -> dict[str, Tensor]:
+        """The parts outside the layers (tied copies once), in host memory."""
         inside = tuple(self.prefixes)
-        return {n: t for n, t in self.model.state_dict().items() if not n.startswith(inside) and n not in self.tied}
+        return {n: self.host(t) for n, t in self.model.state_dict().items()
+                if not n.startswith(inside) and n not in self.tied}
+
+    def outside_state(self, names) -> dict[str, Tensor]:
+        """These state-dict entries outside the layers (tied names included, as `outside_names` gives them), in
+        host memory."""
+        state = self.model.state_dict()
+        return {n: self.host(state[n]) for n in names}
 
     def resident_fingerprint(self) -> str:
         """files.model_fingerprint of the parts outside the layers (embeddings, final norm, head), with the model's
@@ -477,9 +520,8 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
     model._mlpsurgery_path = str(stream.folder)
     first, last = stream.outside_names()
     source = SourceRecord(stream, source_name)
-    state = model.state_dict()
-    for name in first:
-        source.add(name, state[name])
+    for name, t in stream.outside_state(first).items():
+        source.add(name, t)
     with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, inputs=inputs) as tmp:
         writer = SafetensorsAppender(tmp / WEIGHTS, header_reserve(stream.layout()))
         try:
@@ -497,8 +539,8 @@ def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=Non
             writer.abandon()  # the temporary folder goes with it
             raise
         writer.close({"format": "pt", **stream.tied})
-        for name in last:
-            source.add(name, state[name])
+        for name, t in stream.outside_state(last).items():
+            source.add(name, t)
         source.record()
         if finish is not None:
             finish()

@@ -166,11 +166,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def device_of(args) -> str:
+    """--device as a device this process can use (auto: cuda when available); one that it cannot is refused here,
+    before any work, not with a traceback from the first tensor sent there."""
     import torch
 
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise MLPSurgeryError(f"--device {args.device!r} is not a device name: give cpu, cuda, cuda:N or auto") \
+            from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MLPSurgeryError(f"--device {args.device}: this machine's torch sees no CUDA device (no GPU, or a "
+                                  "CPU-only torch build); drop --device (auto) or give --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise MLPSurgeryError(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices "
+                                  f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return args.device
+
+
+def layer_device(args, on_device: bool = True, what: str = "this command") -> str:
+    """Where a --layerwise command works each layer (layerwise.LayerStream's device). on_device: it can work them
+    on --device (auto: cuda when available): pruning, fusion, NSN surgery, perplexity. Otherwise (`what` names it)
+    it works on the CPU -- CoreLocker, TwIST extraction, `nest rank`, which mostly read, hash and write tensors, and
+    Fisher's per-layer backward -- so auto means the CPU there and a GPU named with --device is refused rather
+    than ignored."""
+    if on_device:
+        return device_of(args)
+    if args.device not in ("auto", "cpu"):
+        raise MLPSurgeryError(f"{what} --layerwise works each layer on the CPU, not on {args.device}: drop --device, "
+                              "or drop --layerwise")
+    return "cpu"
 
 
 def join_ranks(args, join: bool = True) -> tuple[str, int, int]:

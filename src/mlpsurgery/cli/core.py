@@ -6,7 +6,7 @@ import time
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_cost, table
-from . import check_plot_path, command, device_of, draw, integer, model_name, progress, stage
+from . import check_plot_path, command, device_of, draw, integer, layer_device, model_name, progress, stage
 
 MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
 
@@ -65,12 +65,9 @@ def run_ppl(args) -> dict:
         from ..layerwise import LayerStream
         from ..models import _tokenizer, checkpoint_folder, working_dtype
 
-        if args.device not in ("auto", "cpu"):
-            raise MLPSurgeryError(f"--layerwise runs on the CPU (one layer read from the files at a time), not on "
-                                  f"{args.device}: drop --device, or drop --layerwise")
         folder, source, _ = checkpoint_folder(args.model)
         stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-        stream = LayerStream(folder, dtype=working_dtype())
+        stream = LayerStream(folder, dtype=working_dtype(), device=layer_device(args))
         model, tok = stream.model, _tokenizer(folder)
         if tok is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer, which the text needs; add its tokenizer files")
@@ -103,6 +100,8 @@ def run_ppl(args) -> dict:
     out.update(model=source, data=corpus.source, split=args.split, split_rule=corpus.split,
                documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
                seconds=time.perf_counter() - t0, layerwise=args.layerwise, peak_rss_bytes=peak_rss())
+    if args.layerwise:
+        out["device"] = str(stream.device)
     return out
 
 
@@ -112,7 +111,8 @@ def render_ppl(r: dict) -> str:
             f"  model {r['model']}\n  data {r['data']}, {r['split']} split: {', '.join(r['documents'][:6])}"
             f"{' ...' if len(r['documents']) > 6 else ''} ({r['split_rule']})\n"
             f"  protocol: windows of {p['block_len']} tokens every {p['stride']}, {p['scored']}; BOS {p['bos']}"
-            f"\n  {r['seconds']:.1f} s" + (", one decoder layer in memory at a time" if r.get("layerwise") else ""))
+            f"\n  {r['seconds']:.1f} s" + (f", one decoder layer in memory at a time (on {r['device']})"
+                                           if r.get("layerwise") else ""))
 
 
 # ---- eval cost --------------------------------------------------------------------------------------
@@ -260,8 +260,9 @@ def register(sub, groups) -> None:
     p.add_argument("--bos", choices=("auto", "on", "off"), default="auto",
                    help="prepend BOS to every window: auto (default) does what the tokenizer does by default")
     p.add_argument("--layerwise", action="store_true",
-                   help="read the checkpoint's safetensors files one decoder layer at a time (on the CPU): memory of "
-                        "one layer plus the embeddings, head and the windows' hidden states; the same perplexity")
+                   help="read the checkpoint's safetensors files one decoder layer at a time, each run on --device: "
+                        "memory of one layer plus the embeddings, head and the windows' hidden states (in host "
+                        "memory); the same perplexity")
 
     p = command(groups["eval"], "cost", run_cost, render_cost,
                 "wall time and peak memory of inference and of one training step; ratios against a baseline")

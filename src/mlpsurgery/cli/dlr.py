@@ -203,15 +203,13 @@ def _rank_from_depth(args, cfg, model) -> None:
 
 def _layerwise(args) -> bool:
     """Phase 1 layer by layer? As --layerwise / --no-layerwise say; by default wherever it can run -- one process
-    (torchrun splits the whole model's phase 1 by layer instead), on the CPU (the layer-by-layer reader works there),
-    a model with weight files (not tiny:ARCH), not --phase2-only -- since there it is the better lock in less time
-    and memory (docs/dlr-lock.md, "Layer by layer")."""
+    (torchrun splits the whole model's phase 1 by layer instead), a model with weight files (not tiny:ARCH), not
+    --phase2-only -- since there it is the better lock in less time and memory (docs/dlr-lock.md, "Layer by
+    layer"), and on the CPU: on a GPU it is asked for with --layerwise (each layer captured and its net trained on
+    the device), the whole-model phase 1 staying the default there until the layer-by-layer one is measured on one."""
     from .. import parallel
 
     if args.layerwise:
-        if args.device not in ("auto", "cpu"):
-            raise MLPSurgeryError(f"--layerwise runs phase 1 on the CPU (one layer read from the files at a time), not "
-                                  f"on {args.device}: drop --device, or add --no-layerwise")
         return True
     if args.layerwise is not None:
         return False
@@ -247,6 +245,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     if parallel.world()[1] > 1 or parallel.launched():
         raise MLPSurgeryError("--layerwise runs as one process (it reads one layer at a time): drop torchrun, or drop "
                               "--layerwise")
+    device = device_of(args)  # (a device this machine lacks is refused before anything is read)
     cfg = _config(args)
     staged = cfg.phase2_steps > 0  # phase 2 follows on the whole locked model
     cfg.validate()
@@ -258,7 +257,8 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
         raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer files")
     layers_work, p1_out = (work / "layers", work / "phase1") if staged else (work, out)
     stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-    stream = open_stream(folder, layers_work, dtype=working_dtype(), max_memory_gb=args.max_memory)
+    stream = open_stream(folder, layers_work, dtype=working_dtype(), max_memory_gb=args.max_memory,
+                         device=device)
     _rank_from_depth(args, cfg, stream.model)
     one = replace(cfg, phase2_steps=0)  # what the layer-by-layer part runs (and its work records)
     check_layerwise(one)
@@ -284,7 +284,8 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
                                             "phase2_only": True, "layerwise": False, "max_memory": None,
                                             "workdir": str(work / "phase2")}))
         rep = {**res["report"], **{k: v for k, v in p2["report"].items() if k.startswith("phase2")}}
-        res = {**p2, **{k: res[k] for k in ("model", "layerwise", "dtype", "activations_on_disk")}, "report": rep,
+        res = {**p2, **{k: res[k] for k in ("model", "layerwise", "dtype", "activations_on_disk", "device")},
+               "report": rep,
                "config": cfg.__dict__, "phase2_only": False, "phase1_seconds": res["seconds"],
                "phase2_seconds": p2["seconds"], "seconds": res["seconds"] + p2["seconds"]}
     if not kept:
@@ -547,7 +548,7 @@ def register(sub, groups) -> None:
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
                    help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files "
                         "(memory of one layer and its DLR-Net, not the model; each layer on the inputs the locked "
-                        "layers before it produce) on the CPU, then phase 2 on the whole locked model; the default "
+                        "layers before it produce) on --device, then phase 2 on the whole locked model; the default "
                         "in one process on the CPU for a model with weight files. --no-layerwise: every layer's net "
                         "side by side (the mode torchrun splits by layer, and the default on a GPU)")
     p.add_argument("--max-memory", type=number(0), metavar="GB",

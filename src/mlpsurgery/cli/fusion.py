@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..report import human_count, plot_layers, table
-from . import command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
+from . import command, device_of, draw, integer, join_ranks, layer_device, model_name, number, progress, stage
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -109,7 +109,8 @@ def _fuse_layerwise(args, cfg, t0: float) -> dict:
     report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok, overwrite=args.overwrite,
                             inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
                             workdir=work if tune is not None else None,
-                            check=lambda m: check_context(m, args.block_len) if tune is not None else None)
+                            check=lambda m: check_context(m, args.block_len) if tune is not None else None,
+                            device=layer_device(args))
     if tune is not None:
         remove_ours(work)
     report.update(model=source, out=args.out, seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss())
@@ -245,8 +246,8 @@ def register(sub, groups) -> None:
     p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
     p.add_argument("--layerwise", action="store_true",
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
-                   "embeddings); the same folder as without it. With --tune-data each layer is tuned as it is read "
-                   "(its pairs captured into OUT.work, removed after)")
+                   "embeddings), each worked on --device; the same folder as without it. With --tune-data each layer is "
+                   "tuned as it is read (its pairs captured into OUT.work, removed after)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(groups["eval"], "ntk", run_ntk, render_ntk,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, table
-from . import check_plot_path, command, draw, integer, number, progress, stage
+from . import check_plot_path, command, draw, integer, layer_device, number, progress, stage
 from .core import MODEL_HELP, _load
 
 TASKS = ("auto", "causal-lm", "encoder", "classifier")
@@ -30,6 +30,7 @@ def run_lock(args) -> dict:
                            unit=args.unit, scope=args.scope, include_io=args.include_io, seed=args.seed)
     cfg.validate()
     if args.layerwise:
+        layer_device(args, on_device=False, what="lock key")
         return _lock_layerwise(args, cfg)
     # before the passphrase prompt and the model load: a bad --out / --key / --plot costs nothing and writes nothing
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
@@ -166,6 +167,8 @@ def render_lock(r: dict) -> str:
 def run_unlock(args) -> dict:
     from ..methods.corelocker import check_unlock_targets, is_sealed, passphrase_from_user, unlock_folder
 
+    if args.layerwise:
+        layer_device(args, on_device=False, what="unlock")
     check_unlock_targets(args.dir, args.key, args.out, args.overwrite)  # before asking for a passphrase
     passphrase = passphrase_from_user() if is_sealed(args.key) else None
     if args.layerwise:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_count, table
-from . import check_plot_path, command, device_of, draw, integer, number, progress, stage
+from . import check_plot_path, command, device_of, draw, integer, layer_device, number, progress, stage
 from .core import MODEL_HELP
 
 ACTIONS = ("rank", "sweep")
@@ -123,7 +123,7 @@ def _nest_layerwise(args, cfg) -> dict:
     stage(args, f"nesting {source} layer by layer into {args.out}")
     out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
                          overwrite=args.overwrite, inputs=[model], source_name=name,
-                         progress=progress(args))
+                         progress=progress(args), device=layer_device(args))
     return {"action": "train", "model": source, **out}
 
 
@@ -133,6 +133,7 @@ def _rank_layerwise(args, folder: str) -> dict:
     from ..methods.nsn.layerwise import export_rank_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
+    layer_device(args, on_device=False, what="nest rank")
     check_out(args.out, args.overwrite, inputs=[folder])
     path, _, _ = checkpoint_folder(folder)
     stage(args, f"fixing the rank of {folder} ({args.form}) layer by layer into {args.out}")
@@ -227,8 +228,8 @@ def register(sub, groups) -> None:
                                         "the save; rerun the same command to resume)")
     g.add_argument("--layerwise", action="store_true",
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
-                        "embeddings); the same folder as without it; no training (train the folder afterwards). "
-                        "Also for `nest rank` (lowrank and nested forms)")
+                        "embeddings), its SVDs on --device; the same folder as without it; no training (train the folder "
+                        "afterwards). Also for `nest rank` (lowrank and nested forms; on the CPU)")
 
     g = p.add_argument_group("nest rank DIR")
     g.add_argument("--rank", type=integer(1), help="the rank to fix (each projection capped at its max rank)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
-from . import command, device_of, draw, integer, number, progress, stage
+from . import command, device_of, draw, integer, layer_device, number, progress, stage
 from .core import MODEL_HELP, _load
 
 
@@ -152,6 +152,7 @@ def _extract_layerwise(args) -> dict:
     from ..methods.twist.layerwise import extract_layerwise
     from ..models import _tokenizer, checkpoint_folder, working_dtype
 
+    layer_device(args, on_device=False, what="twist extract")
     folder, _, name = checkpoint_folder(args.dir)
     r = extract_layerwise(folder, args.out, keep=args.keep, blocks=args.blocks, parts=args.parts,
                           attn_keep=args.attn_keep, shared_first=args.shared_first, shared_last=args.shared_last,
@@ -222,6 +223,9 @@ def _prune_layerwise(args, pattern) -> dict:
     from ..models import _tokenizer, check_context, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 
+    # magnitude, Wanda and SparseGPT work each layer on --device; Fisher's per-layer backward and random subnets on
+    # the CPU
+    device = layer_device(args, on_device=args.method not in BLOCKS, what=f"prune --method {args.method}")
     folder, source, name = checkpoint_folder(args.model)
     config = read_config(folder)
     layers = parse_layers(args.layers, config.num_hidden_layers)  # (named, as the whole command does)
@@ -245,7 +249,8 @@ def _prune_layerwise(args, pattern) -> dict:
         report = block_prune_layerwise(folder, args.out, args.method, args.sparsity, blocks=args.blocks,
                                        seed=args.seed, spill_dir=work, **common)
     else:
-        report = prune_layerwise(folder, args.out, args.method, args.sparsity, pattern=pattern, **common)
+        report = prune_layerwise(folder, args.out, args.method, args.sparsity, pattern=pattern, device=device,
+                                 **common)
     res = {**report, "out": args.out, "model": source, "layers": layers,
            "calibration": None if blocks is None else list(blocks.shape)}
     res["plot"] = draw("per-layer", lambda: plot_prune(res, Path(args.out) / "prune-layers.png"))
@@ -361,8 +366,9 @@ def register(sub, groups) -> None:
     p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")
     p.add_argument("--layerwise", action="store_true",
                    help="one decoder layer at a time, read from the checkpoint's safetensors files: memory of one "
-                        "layer, not the model (the same result; docs/memory.md). Fisher's backward pass goes layer "
-                        "by layer too, over the kept inputs of every layer")
+                        "layer, not the model (the same result; docs/memory.md); magnitude, Wanda and SparseGPT work each "
+                        "layer on --device. Fisher's backward pass goes layer by layer too (on the CPU), over the kept "
+                        "inputs of every layer")
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")

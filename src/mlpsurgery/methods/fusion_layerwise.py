@@ -67,19 +67,20 @@ class _Captures:
 def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype=None, tokenizer=None,
                    overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True,
                    tune_data: Tensor | None = None, workdir: str | Path | None = None,
-                   max_memory_gb: float | None = None, check=None) -> dict:
+                   max_memory_gb: float | None = None, check=None, device=None) -> dict:
     """Compress the checkpoint in `folder` layer by layer and save the result to `out` (what `fuse` then `save`
     write); returns fuse's report with the parameter counts before and after. tune_data: (N, T) token blocks for
     layer-wise tuning (and activation importance), captured one layer at a time into `workdir` (a new or empty
     folder, marked as mlpsurgery's; each layer's pairs removed once it is tuned). check(skeleton): the caller's
-    checks of the model (shapes and config only), run before anything is written."""
+    checks of the model (shapes and config only), run before anything is written. device: where each layer is
+    compressed and tuned (LayerStream; the CPU by default)."""
     check_layerwise(cfg, tune=tune_data is not None)
     tune = tune_data is not None
     if tune and workdir is None:
         raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
     workdir = None if workdir is None else Path(workdir)
     stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
-                         spill_dir=None if workdir is None else workdir / "spill")
+                         spill_dir=None if workdir is None else workdir / "spill", device=device)
     model = stream.model
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)  # on the skeleton: shapes only
@@ -137,7 +138,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     after = count_params(model)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description, "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
-              "activations_on_disk": stream.disk, "mlp_params_before": before["mlp"],
+              "activations_on_disk": stream.disk, "device": str(stream.device), "mlp_params_before": before["mlp"],
               "mlp_params_after": after["mlp"], "params_before": before["total"], "params_after": after["total"]}
     if tune:
         report["tuning"] = _merge_tuning(tuning)

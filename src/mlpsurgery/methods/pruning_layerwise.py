@@ -34,9 +34,10 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
                     parts: str = "both", layers: list[int] | None = None, data: Tensor | None = None,
                     pattern: tuple[int, int] | str | None = None, batch_size: int = 8, dtype=None,
                     max_memory_gb: float | None = None, tokenizer=None, overwrite: bool = False, inputs=(),
-                    source_name: str | None = None, progress: bool = True) -> dict:
+                    source_name: str | None = None, progress: bool = True, device=None) -> dict:
     """Prune the checkpoint in `folder` layer by layer and save the result to `out` (what `prune` then `save`
-    write); returns prune's report. Only magnitude (per matrix), Wanda and SparseGPT (sequential calibration)."""
+    write); returns prune's report. Only magnitude (per matrix), Wanda and SparseGPT (sequential calibration).
+    device: where each layer is pruned (LayerStream; the CPU by default)."""
     if method not in METHODS:
         raise MLPSurgeryError(f"prune_layerwise prunes with {', '.join(METHODS)}, not {method!r} (Fisher blocks and "
                               "random subnets change shapes: pruning_blocks_layerwise.block_prune_layerwise)")
@@ -52,7 +53,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
     if calibrated and (data is None or data.dim() != 2 or len(data) == 0):
         raise MLPSurgeryError(f"{method} needs calibration blocks: a non-empty (N, T) tensor of token ids "
                               "(--data and --calib-blocks on the command line)")
-    stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb)
+    stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb, device=device)
     model = stream.model
     model._mlpsurgery_path = str(folder)
     sites = find_sites(model)
@@ -70,9 +71,8 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
             masked |= set(prunable_weights(model, part, chosen))
     before, after = stream.outside_names()
     source = SourceRecord(stream, source_name)
-    state = model.state_dict()
-    for name in before:
-        source.add(name, state[name])
+    for name, t in stream.outside_state(before).items():
+        source.add(name, t)
     settings = {"sparsity": sparsity, "parts": parts, "layers": layers}
     if pattern is not None:
         settings["pattern"] = _pattern_text(pattern)
@@ -119,8 +119,8 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
                 else:
                     writer.write(name, t)
             stream.release(i)
-        for name in after:
-            source.add(name, state[name])
+        for name, t in stream.outside_state(after).items():
+            source.add(name, t)
         writer.close()
         if masks is not None:
             masks.close()
@@ -134,7 +134,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
 
     report = report_from_counts(counts, method, parts, sparsity, errors if calibrated else None)
     report.update({"pattern": _pattern_text(pattern), "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
-                   "activations_on_disk": stream.disk})
+                   "activations_on_disk": stream.disk, "device": str(stream.device)})
     if calibrated:
         report["sequential"] = True
         report["error_inputs"] = ("the calibration inputs of each projection, measured with the layers before it "

@@ -135,9 +135,12 @@ def _mean_history(histories: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def open_stream(folder: str | Path, workdir: str | Path, dtype=None, max_memory_gb: float | None = None) -> LayerStream:
-    """The checkpoint in `folder` as a LayerStream whose activations spill (past max_memory_gb) into the work folder."""
-    return LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb, spill_dir=Path(workdir) / "spill")
+def open_stream(folder: str | Path, workdir: str | Path, dtype=None, max_memory_gb: float | None = None,
+                device=None) -> LayerStream:
+    """The checkpoint in `folder` as a LayerStream whose activations spill (past max_memory_gb) into the work folder;
+    device: where each layer is captured and its net trained (the CPU by default)."""
+    return LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb, spill_dir=Path(workdir) / "spill",
+                       device=device)
 
 
 def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks: Tensor, workdir: str | Path,
@@ -198,7 +201,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
         key = digest_chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))
         done = _finished(wd, key, i)
         if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
-            net = DLRNet(d, cfg.rank, depth, cfg.eps).to(stream.dtype)
+            net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
             net.load_state_dict(done[0])
             reports.append(done[1])
             next_acts = stream.run(i, acts)
@@ -214,7 +217,8 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                         stream.run(i, on_acts, keep=False)
             # the plan's one depth (the largest locked MLP's budget), as a whole-model run gives every layer
             one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i), depth=depth)
-            nets, rep = phase1(model, blocks, one, wd, progress=progress, captured=cap, onpolicy_captured=oncap)
+            nets, rep = phase1(model, blocks, one, wd, progress=progress, device=stream.device, captured=cap,
+                               onpolicy_captured=oncap)
             reports.append(rep)
             net = nets[i].to(dtype=stream.dtype)
             _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
@@ -241,4 +245,4 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     rewrite(stream, out, work, "DLR-Lock (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
             inputs=[*inputs, workdir], source_name=source_name, progress=progress, finish=finish)
     return {"out": str(out), "report": result["report"].as_dict(), "layerwise": True, "seconds": time.perf_counter() - t0,
-            "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk}
+            "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk, "device": str(stream.device)}

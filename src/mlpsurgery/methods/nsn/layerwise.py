@@ -27,11 +27,12 @@ from .surgery import NSNConfig, check_config, max_rank, nest_layer, nested_linea
 
 
 def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=None, tokenizer=None,
-                   overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True) -> dict:
+                   overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True,
+                   device=None) -> dict:
     """Nest the checkpoint in `folder` one layer at a time and save the result to `out` (what `nest` with no
-    training steps writes)."""
+    training steps writes). device: where each layer's SVDs run (LayerStream; the CPU by default)."""
     check_config(cfg)
-    stream = LayerStream(Path(folder), dtype=dtype)
+    stream = LayerStream(Path(folder), dtype=dtype, device=device)
     model = stream.model
     count = 0
 
@@ -44,7 +45,8 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
             finish=lambda: record(model, "nsn", asdict(cfg), projections=count))
     return {"out": str(out), "config": asdict(cfg), "projections": len(nested_linears(model)),
             "max_rank": max_rank(model), "full_rank_flops_fraction": nested_flops(model)["fraction"],
-            "layerwise": True, "dtype": str(stream.dtype).split(".")[-1]}
+            "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
+            "device": str(stream.device)}
 
 
 def export_rank_layerwise(folder: str | Path, out: str | Path, rank: int | None = None, budget: float | None = None,
