@@ -285,11 +285,14 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
         model._mlpsurgery_source = source_record(text, model)
         return Loaded(model, byte_tokenizer(), text)
     folder, source = _resolve(text)
+    # the tokenizer first: what its loading leaves free on the heap is handed back (_tokenizer) before the weights
+    # come, rather than staying beside them (about 30 MB for SmolLM2's; measured in docs/memory.md)
+    tokenizer = _tokenizer(folder)
     if (folder / "surgery.json").exists():
         from .io import load
 
         model = load(folder, dtype=dtype if isinstance(dtype, torch.dtype) else None)  # (built in it, not cast:
-        return Loaded(model, _tokenizer(folder), source)  # the buffers transformers keeps in float32 stay float32)
+        return Loaded(model, tokenizer, source)  # the buffers transformers keeps in float32 stay float32)
     config = read_config(folder)
     klass = _model_class(config, task)
     kw = {"num_labels": num_labels} if num_labels else {}
@@ -309,7 +312,7 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     model._mlpsurgery_source = source_record(source_name(text), model)
     if text not in ("smollm2", "minilm"):
         model._mlpsurgery_path = str(Path(text).expanduser())
-    return Loaded(model.eval(), _tokenizer(folder), source)
+    return Loaded(model.eval(), tokenizer, source)
 
 
 def _config_dtype(config) -> torch.dtype | str:
@@ -389,6 +392,9 @@ def _tokenizer(folder: Path):
         raise MLPSurgeryError(f"the tokenizer files in {folder} cannot be read ({_first_line(e)}); restore them") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    from .layerwise import trim_heap
+
+    trim_heap()  # the tokenizer's loading frees tens of MB of small pieces, which glibc would otherwise keep
     return tok
 
 
