@@ -272,3 +272,13 @@ def test_dlr_lock_layer_by_layer_on_the_device_matches_the_cpu(device, tmp_path)
         assert b["phase1_relative_error"][layer] == pytest.approx(err, rel=0.02), layer
     man = [json.loads((tmp_path / name / "surgery.json").read_text()) for name in ("cpu", "dev")]
     assert man[1]["source"] == man[0]["source"]
+
+
+def test_a_model_fingerprints_alike_on_the_device_and_on_the_cpu(device):
+    """files.model_fingerprint sums on the CPU wherever the tensors live: the same digest on either device, so a
+    resume or a source check does not depend on where the model was."""
+    from mlpsurgery.files import model_fingerprint
+
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = _pair("llama", device, dtype)
+        assert model_fingerprint(b) == model_fingerprint(a), dtype

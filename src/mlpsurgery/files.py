@@ -381,7 +381,9 @@ class Fingerprint:
             flat = t.detach().reshape(-1)
             s1 = s2 = 0.0
             for i in range(0, flat.numel(), 1 << 20):  # float64 in slices: no full-size copy
-                part = flat[i:i + (1 << 20)].double()
+                # summed on the CPU wherever the tensor lives: a GPU's float64 sums take another order, and a
+                # model on it must fingerprint as on the CPU (resumes and source checks across devices)
+                part = flat[i:i + (1 << 20)].to("cpu", torch.float64)
                 s1 += float(part.sum())
                 s2 += float((part * part).sum())
             step = max(1, flat.numel() // 64)
