@@ -8,6 +8,8 @@ difference between the two saved models' weights.
 --what fuse: `mlpsurgery fuse` with layer-wise tuning (split by layer over the ranks). Per process: its tuned
 layers' captured activations, trained parameters, gradients and AdamW moments, its peak resident memory, the wall
 time; the tuning's MSE before / after and every layer's error in both runs, and the largest weight difference.
+With --layerwise both runs read the checkpoint one layer at a time (`fuse --layerwise`; the memory columns are then
+those of the largest single layer's tuning).
 --what attack: `mlpsurgery attack dlr LOCKED` (its fine-tuning runs sharded with FSDP2; a locked folder made by
 `mlpsurgery lock dlr`, --locked). Per attack run: one rank's step peak memory and seconds against one process's, the
 training and held-out losses of both; per process: what it holds between the runs, its peak resident memory after
@@ -25,6 +27,8 @@ times, the held-out perplexity ratio and per-layer errors of both runs, and the 
     python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
         --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
     python benchmarks/fsdp.py --what fuse --json docs/results/fsdp-fuse-smollm2.json --md docs/results/fsdp-fuse-smollm2.md
+    python benchmarks/fsdp.py --what fuse --layerwise --json docs/results/fsdp-fuse-layerwise-smollm2.json \
+        --md docs/results/fsdp-fuse-layerwise-smollm2.md
     python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
         --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
@@ -289,10 +293,11 @@ def bench_lock(args, work: Path) -> dict:
 
 
 def bench_fuse(args, work: Path) -> dict:
-    common = ["fuse", args.model, *FUSE, "--json", "--quiet"]
+    given = FUSE + (["--layerwise"] if args.layerwise else [])
+    common = ["fuse", args.model, *given, "--json", "--quiet"]
     one, one_s, sharded, sharded_s = _both(args, common, work)
     main0 = next(o for o in sharded if "out" in o)
-    return {"what": "fuse", "model": args.model, "args": FUSE, "ranks": args.ranks, **_machine(),
+    return {"what": "fuse", "model": args.model, "args": given, "ranks": args.ranks, **_machine(),
             "one_seconds": one_s, "sharded_seconds": sharded_s,
             "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"], "memory": one[0]["tuning"]["memory"]}],
             "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"],
@@ -413,6 +418,7 @@ def main() -> None:
                          "temporary folder and removed) instead of --model")
     ap.add_argument("--dtype", help="--what nest: passed to the command (e.g. bfloat16)")
     ap.add_argument("--data", help="--what nest: passed to the command (default: its own)")
+    ap.add_argument("--layerwise", action="store_true", help="--what fuse: both runs layer by layer (fuse --layerwise)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--render", help="print the markdown of a JSON written before")

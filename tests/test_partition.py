@@ -205,7 +205,6 @@ def test_cli_fuse_over_two_ranks_saves_what_one_process_saves_and_resumes_its_ch
 @pytest.mark.parametrize("drop,extra,message", [
     (True, [], "give --tune-data"),
     (False, ["--layers", "1"], "2 ranks for 1 compressed layers"),
-    (False, ["--layerwise"], "--layerwise runs as one process"),
 ])
 def test_bad_fuse_launches_are_refused_on_every_rank(tmp_path, drop, extra, message):
     out = str(tmp_path / "two")
@@ -232,3 +231,39 @@ def test_a_rank_that_finds_no_checkpoint_is_refused_not_run_out_of_step(tmp_path
 
     for code, log in run_ranks(tmp_path, target):
         assert code == 1 and "different checkpoints (the step to resume from)" in log, log[-2000:]
+
+
+def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path):
+    """`torchrun ... fuse --layerwise --tune-data`: every rank reads one layer at a time, compresses every chosen
+    layer and tunes its share; rank 0 takes the others' tuned layers and writes the folder. Each layer is tuned
+    alone either way, so the folder is one process's `fuse --layerwise` bit for bit (tensors, manifest; the report's
+    errors within float summation); neither rank loads the model whole. Refused on every rank as the whole-model
+    split refuses it: more ranks than compressed layers."""
+    from conftest import assert_same_folders, saved_checkpoint
+    from mlpsurgery.cli import main
+
+    src = saved_checkpoint(tmp_path, "llama")
+    byte_tokenizer().save_pretrained(src)
+
+    def argv(out, *extra):
+        a = fuse_args(tmp_path, str(tmp_path / out), "--layerwise", *extra)
+        a[1] = str(src)  # a checkpoint with files, which the layer-by-layer mode reads
+        return a
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv("one")) == 0
+    one = json.loads(buf.getvalue())
+    (c0, log0), (c1, log1) = ranks(tmp_path, argv("two"))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    r0 = json.loads(log0[log0.index("{"):log0.rindex("}") + 1])
+    r1 = json.loads(log1[log1.index("{"):log1.rindex("}") + 1])
+    assert r0["world_size"] == 2 and r1["rank"] == 1 and r1["layers"] == [i for i in one["layers"] if i % 2]
+    assert_same_folders(tmp_path / "one", tmp_path / "two")
+    for a, b in zip(r0["sites"], one["sites"], strict=True):  # (floats summed with other thread counts: approx)
+        assert a["layer"] == b["layer"] and a["error_rel_tuned"] == pytest.approx(b["error_rel_tuned"], rel=1e-6)
+    assert r0["tuning"]["mse_after"] == pytest.approx(one["tuning"]["mse_after"], rel=1e-6)
+    assert not (tmp_path / "two.work").exists()  # every rank's captures, then the folder, removed
+    for code, log in ranks(tmp_path, argv("three", "--layers", "1")):
+        assert code == 2 and "2 ranks for 1 compressed layers" in log, log[-2000:]
+    assert not (tmp_path / "three").exists()

@@ -506,16 +506,23 @@ class SourceRecord:
 
 
 def rewrite(stream: LayerStream, out: str | Path, work, desc: str, tokenizer=None, overwrite: bool = False,
-            inputs=(), source_name: str | None = None, progress: bool = True, finish=None) -> None:
+            inputs=(), source_name: str | None = None, progress: bool = True, finish=None, write: bool = True) -> None:
     """Write `stream`'s model to `out` as `save` writes it, one decoder layer at a time: layer i is read, handed to
     `work(i)` (which may replace its modules, or put another layer in `stream.layers[i]`: the file takes the shapes
     it leaves), appended to the weights file and released. The source fingerprint is the checkpoint's as read (what
     loading it whole records), or for a folder mlpsurgery wrote the source its manifest records; `finish()` runs on
-    the skeleton, every layer done, before the manifest is written (the method records itself there)."""
+    the skeleton, every layer done, before the manifest is written (the method records itself there). write=False:
+    the same pass over the layers, nothing written (a torchrun rank other than the one that writes)."""
     from tqdm.auto import tqdm
 
     from .io import WEIGHTS, streamed_save
 
+    if not write:
+        for i in range(stream.n_layers):
+            stream.materialise(i)
+            work(i)
+            stream.release(i)
+        return
     model = stream.model
     model._mlpsurgery_path = str(stream.folder)
     first, last = stream.outside_names()

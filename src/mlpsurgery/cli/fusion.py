@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..report import human_count, plot_layers, table
-from . import command, device_of, draw, integer, join_ranks, layer_device, model_name, number, progress, stage
+from . import command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -31,8 +31,8 @@ def run_fuse(args) -> dict:
     from ..models import check_context
 
     inputs = [args.model, args.tune_data]
-    # torchrun: the layer-wise tuning split by layer over the ranks
-    device, rank, world = join_ranks(args, join=not args.layerwise)
+    # torchrun: the layer-wise tuning split by layer over the ranks (whole model, or layer by layer)
+    device, rank, world = join_ranks(args)
 
     def claims():  # rank 0's; every rank hears of a refusal
         check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
@@ -49,10 +49,7 @@ def run_fuse(args) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     if args.layerwise:
-        if parallel.launched():
-            raise MLPSurgeryError("--layerwise runs as one process (it tunes one layer at a time): drop torchrun, or "
-                                  "drop --layerwise")
-        return _fuse_layerwise(args, cfg, t0)
+        return _fuse_layerwise(args, cfg, t0, device)
     stage(args, f"loading {model_name(args.model)}")
     loaded = load_model(args.model, task=args.task, num_labels=args.num_labels)
     model = loaded.model.to(device)
@@ -78,10 +75,12 @@ def run_fuse(args) -> dict:
     return report
 
 
-def _fuse_layerwise(args, cfg, t0: float) -> dict:
+def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion_layerwise.py); with --tune-data
     each chosen layer's pairs are captured as the tune text flows through the original layers, into OUT.work (removed
-    on success), and the layer tuned on them before the next is read."""
+    on success), and the layer tuned on them before the next is read. Under torchrun every rank reads every layer
+    and tunes its share of them; rank 0 writes the folder."""
+    from .. import parallel
     from ..data import text_blocks
     from ..errors import MLPSurgeryError
     from ..files import check_state, remove_ours
@@ -110,7 +109,10 @@ def _fuse_layerwise(args, cfg, t0: float) -> dict:
                             inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
                             workdir=work if tune is not None else None,
                             check=lambda m: check_context(m, args.block_len) if tune is not None else None,
-                            device=layer_device(args))
+                            device=device)
+    parallel.barrier()  # (every rank done with its captures before rank 0 removes the work folder)
+    if parallel.world()[0] != 0:
+        return {**report, "peak_rss_bytes": peak_rss(), "seconds": time.perf_counter() - t0}
     if tune is not None:
         remove_ours(work)
     report.update(model=source, out=args.out, seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss())

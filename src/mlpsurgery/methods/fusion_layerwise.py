@@ -16,6 +16,14 @@ own MLP alone, so tuning it alone takes the same steps on the same rows; what di
 model is the gradient-norm clip, which there is one norm over every tuned layer and here each layer's own (equal
 where the clip does not act; tested).
 
+Under torchrun (tune data required) the tuning is split by layer, as `fuse` splits it on the whole model: every rank
+reads every layer and runs the tune stream through it, compresses every chosen layer (the same arithmetic and the
+same generator as one process, so every rank's draws stay those of one process), but captures and tunes only its
+share (rank r: the chosen layers r, r + N, ...); the owner of a layer sends its tuned MLP's tensors, its error
+measurements and its tuning report to rank 0 (`parallel.send_to`), which writes the folder in layer order. Each
+layer is tuned alone in either case, so N ranks write what one process writes (tested bit for bit). Every rank
+holds one layer, its captured pairs and the stream, never the model.
+
 Not here (refused before anything is read or written): the magnitude baseline, whose masks the pruning commands'
 own layer-sequential mode writes (`prune --layerwise`).
 """
@@ -30,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import parallel
 from ..capture import layer_capture
 from ..errors import MLPSurgeryError
 from ..files import claim, model_fingerprint
@@ -73,29 +82,48 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     layer-wise tuning (and activation importance), captured one layer at a time into `workdir` (a new or empty
     folder, marked as mlpsurgery's; each layer's pairs removed once it is tuned). check(skeleton): the caller's
     checks of the model (shapes and config only), run before anything is written. device: where each layer is
-    compressed and tuned (LayerStream; the CPU by default)."""
+    compressed and tuned (LayerStream; the CPU by default). Under torchrun the tuning is split by layer (module
+    docstring): each rank keeps its captures in `workdir`/rank{r}-of-{N}, rank 0 writes `out` and returns the
+    report, the others their share's."""
     check_layerwise(cfg, tune=tune_data is not None)
     tune = tune_data is not None
     if tune and workdir is None:
         raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
+    rank, world = parallel.world()
+    split = world > 1
+    if split and not tune:
+        raise MLPSurgeryError("under torchrun `fuse --layerwise` splits its layer-wise tuning over the ranks by layer: "
+                              "give tune data, or run it as one process")
     workdir = None if workdir is None else Path(workdir)
     stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
                          spill_dir=None if workdir is None else workdir / "spill", device=device)
     model = stream.model
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)  # on the skeleton: shapes only
+    if split and len(layers) < world:
+        raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
+                              "processes (torchrun --nproc-per-node)")
+    own = set(layers[rank::world])  # this rank's share of the tuning (all of it in one process)
+    owner = {i: n % world for n, i in enumerate(layers)}
     if check is not None:
         check(model)
     before = count_params(model)
     gen = torch.Generator().manual_seed(cfg.seed)
     caps = _Captures() if tune else None
     probes = _ErrorProbes(sites, layers, caps, cfg.seed)
-    rows, tuning = [], []
+    rows, tuning, mine_tuned = [], [], []  # (tuning: every layer's report on rank 0; mine_tuned: this rank's)
     state = {}
     if tune:
         digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
         resident = stream.resident_fingerprint()
-        claim(workdir, "fuse-work-layerwise", {"model": resident, "data": digest}, inputs=[*inputs, out])
+        settings = {"model": resident, "data": digest}
+        if split:  # rank 0 takes the work folder; each rank keeps its captures in a folder of its own inside it
+            parallel.same_on_every_rank("models, tune data or settings", (settings, asdict(cfg), layers, k))
+            top = workdir
+            parallel.on_rank0(lambda: claim(top, "fuse-work-layerwise-split", {**settings, "world": world},
+                                            inputs=[*inputs, out]))
+            workdir = top / f"rank{rank}-of-{world}"
+        claim(workdir, "fuse-work-layerwise", settings, inputs=[*inputs, out])
         state["chain"] = digest_chain(resident, tune_data.shape, digest, stream.dtype)
         d = sites.config.hidden_size
         extra = 2 * tune_data.numel() * d * 4  # one layer's captured pairs (float32), beside the stream
@@ -105,7 +133,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         """With tune data: run original layer i over the tune stream (capturing its MLP pairs if it is chosen)."""
         layer = stream.layers[i]
         original = model_fingerprint(layer)
-        if i in layers:
+        if i in own:
             with layer_capture(sites.mlp[i], len(tune_data), tune_data.shape[1], CAPTURE_BATCH,
                                workdir / f"layer{i:03d}", state["chain"], torch.float32, i) as (cap, _):
                 nxt = stream.run(i, state["acts"])
@@ -120,21 +148,49 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             stream_on(i)
         if i not in layers:
             return
-        x = caps.layer(i)[0] if tune and cfg.importance == "activation" else None
-        probes.before(i)
-        rows.append(compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress))
-        rows[-1]["error_rel"] = probes.error(i)
-        count_after(sites.mlp[i], rows[-1])
-        if tune:
-            tuning.append(tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress))
-            rows[-1]["error_rel_tuned"] = probes.error(i)
-            del caps.by_layer[i]
-            shutil.rmtree(workdir / f"layer{i:03d}")
+        mine = i in own
+        x = caps.layer(i)[0] if mine and tune and cfg.importance == "activation" else None
+        if mine:
+            probes.before(i)
+        # every rank compresses every chosen layer: the generator's draws stay one process's (a layer another rank
+        # owns is compressed for them and for its structure, then takes the owner's tuned tensors on rank 0; neuron
+        # importance from activations draws nothing, so there it is scored by weight, and replaced the same way)
+        row = compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress and mine)
+        if mine:
+            row["error_rel"] = probes.error(i)
+            count_after(sites.mlp[i], row)
+            part = None
+            if tune:
+                part = tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress)
+                row["error_rel_tuned"] = probes.error(i)
+                mine_tuned.append(part)
+                del caps.by_layer[i]
+                shutil.rmtree(workdir / f"layer{i:03d}")
+            if rank != 0:  # to rank 0, which writes the folder (it takes them in layer order)
+                parallel.send_to((i, [{n: t.detach().cpu() for n, t in m.state_dict().items()}
+                                      for m in sites.mlp[i].modules()], row, part), 0)
+                return
+        elif rank == 0:
+            j, states, row, part = parallel.recv_from(owner[i])
+            if j != i:
+                raise MLPSurgeryError(f"internal: rank 0 expected layer {i} from rank {owner[i]}, got layer {j}")
+            with torch.no_grad():
+                for m, state in zip(sites.mlp[i].modules(), states):
+                    m.load_state_dict(state)
+        else:
+            return
+        rows.append(row)
+        if part is not None:
+            tuning.append(part)
 
     rewrite(stream, out, work, f"{cfg.method} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
             inputs=[*inputs, *([workdir] if workdir is not None else [])], source_name=source_name,
             progress=progress, finish=lambda: record(model, "fusion", asdict(cfg), width=k, layers=layers,
-                                                     tune_tokens=int(tune_data.numel()) if tune else 0))
+                                                     tune_tokens=int(tune_data.numel()) if tune else 0),
+            write=rank == 0)
+    if rank != 0:  # its share: the layers it tuned (their rows went to rank 0), and what their tuning held
+        return {"rank": rank, "world_size": world, "layers": sorted(own), "layerwise": True,
+                "device": str(stream.device), **({"tuning": _merge_tuning(mine_tuned)} if mine_tuned else {})}
     after = count_params(model)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description, "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
@@ -142,6 +198,8 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
               "mlp_params_after": after["mlp"], "params_before": before["total"], "params_after": after["total"]}
     if tune:
         report["tuning"] = _merge_tuning(tuning)
+    if split:
+        report["world_size"] = world
     return report
 
 

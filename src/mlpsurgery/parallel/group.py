@@ -183,6 +183,23 @@ def from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def send_to(obj: Any, dst: int) -> None:
+    """`obj` (picklable; tensors on the CPU) to rank `dst`, which takes it with `recv_from` (point to point: only the
+    two ranks take part; blocks until it is taken)."""
+    import torch.distributed as dist
+
+    dist.send_object_list([obj], dst=dst, device=_collective_device())
+
+
+def recv_from(src: int) -> Any:
+    """What rank `src` sends with `send_to`, in the order it sends."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, device=_collective_device())
+    return box[0]
+
+
 def gather_to_rank0(obj: Any) -> list[Any] | None:
     """Every rank's `obj` (picklable; tensors on the CPU), in rank order, on rank 0; None on the others (a
     collective); [obj] without a process group."""
