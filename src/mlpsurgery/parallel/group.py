@@ -48,6 +48,10 @@ def init(device: str | torch.device = "cpu") -> tuple[int, int]:
 
         map_large_allocations()
     dist.init_process_group(backend=backend)
+    # every rank joined before any returns: a rank that refuses its command at once (its own checks, before any
+    # collective) and exits would otherwise take rank 0's store away from a rank still joining ("Connection reset
+    # by peer" there instead of the refusal; seen in CI)
+    dist.barrier()
     return dist.get_rank(), dist.get_world_size()
 
 
