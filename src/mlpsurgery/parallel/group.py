@@ -189,7 +189,7 @@ def from_rank0(obj: Any) -> Any:
 
 def send_to(obj: Any, dst: int) -> None:
     """`obj` (picklable; tensors on the CPU) to rank `dst`, which takes it with `recv_from` (point to point: only the
-    two ranks take part; blocks until it is taken)."""
+    two ranks take part; the sender may wait until `dst` takes it, so both must post them in the same order)."""
     import torch.distributed as dist
 
     dist.send_object_list([obj], dst=dst, device=_collective_device())
