@@ -513,6 +513,23 @@ def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
     return layers, k
 
 
+def split_share(layers: list[int], tuned: bool) -> list[int]:
+    """This rank's share of the compressed `layers` for the layer-wise tuning under torchrun (rank r: layers r, r+N,
+    ...; all of them in one process), after refusing a split that cannot be made: no tune data (nothing to split),
+    more ranks than layers. `fuse` and `fuse_layerwise` split alike."""
+    from .. import parallel
+
+    world = parallel.world()[1]
+    if world > 1:
+        if not tuned:
+            raise MLPSurgeryError("under torchrun `fuse` splits its layer-wise tuning over the ranks by layer: give "
+                                  "--tune-data, or run it as one process")
+        if len(layers) < world:
+            raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
+                                  "processes (torchrun --nproc-per-node)")
+    return parallel.share(layers)
+
+
 def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor | None = None,
          progress: bool = True, checkpoint_dir=None) -> dict:
     """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
@@ -534,18 +551,11 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     if cfg.importance == "activation" and cfg.method == "neuron" and tune_data is None:
         raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
     rank, world = parallel.world()
-    own = layers
+    own = split_share(layers, tune_data is not None)
     digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
     if world > 1:
-        if tune_data is None:
-            raise MLPSurgeryError("under torchrun `fuse` splits its layer-wise tuning over the ranks by layer: give "
-                                  "--tune-data, or run it as one process")
-        if len(layers) < world:
-            raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
-                                  "processes (torchrun --nproc-per-node)")
         parallel.same_on_every_rank("models, data or settings",
                                     {"model": model_fingerprint(model), "data": digest, "fusion": asdict(cfg)})
-        own = parallel.share(layers)
     capture = None
     if tune_data is not None:  # neurons scored by their activations: every layer's inputs, until compressed
         scored = cfg.importance == "activation" and cfg.method == "neuron"

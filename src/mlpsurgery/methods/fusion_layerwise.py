@@ -46,7 +46,8 @@ from ..io import record
 from ..layerwise import LayerStream, digest_chain, rewrite
 from ..measure.cost import count_params
 from ..sites import find_sites
-from .fusion import FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width, tune_layers
+from .fusion import (FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width, split_share,
+                     tune_layers)
 
 CAPTURE_BATCH = 8  # blocks per forward, as capture_mlp_io runs them (the chunks are the same)
 
@@ -91,27 +92,21 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
     rank, world = parallel.world()
     split = world > 1
-    if split and not tune:
-        raise MLPSurgeryError("under torchrun `fuse --layerwise` splits its layer-wise tuning over the ranks by layer: "
-                              "give tune data, or run it as one process")
     workdir = None if workdir is None else Path(workdir)
     stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
                          spill_dir=None if workdir is None else workdir / "spill", device=device)
     model = stream.model
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)  # on the skeleton: shapes only
-    if split and len(layers) < world:
-        raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
-                              "processes (torchrun --nproc-per-node)")
-    own = set(layers[rank::world])  # this rank's share of the tuning (all of it in one process)
-    owner = {i: n % world for n, i in enumerate(layers)}
+    own = set(split_share(layers, tune))  # this rank's share of the tuning (all of it in one process)
+    owner = {i: n % world for n, i in enumerate(layers)}  # (parallel.share's split)
     if check is not None:
         check(model)
     before = count_params(model)
     gen = torch.Generator().manual_seed(cfg.seed)
     caps = _Captures() if tune else None
     probes = _ErrorProbes(sites, layers, caps, cfg.seed)
-    rows, tuning, mine_tuned = [], [], []  # (tuning: every layer's report on rank 0; mine_tuned: this rank's)
+    rows, tuning = [], []  # (under torchrun: every layer's on rank 0, its own layers' tuning on the others)
     state = {}
     if tune:
         digest = hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
@@ -163,10 +158,11 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             if tune:
                 part = tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress)
                 row["error_rel_tuned"] = probes.error(i)
-                mine_tuned.append(part)
                 del caps.by_layer[i]
                 shutil.rmtree(workdir / f"layer{i:03d}")
             if rank != 0:  # to rank 0, which writes the folder (it takes them in layer order)
+                if part is not None:
+                    tuning.append(part)  # (this rank's report)
                 parallel.send_to((i, [{n: t.detach().cpu() for n, t in m.state_dict().items()}
                                       for m in sites.mlp[i].modules()], row, part), 0)
                 return
@@ -190,7 +186,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             write=rank == 0)
     if rank != 0:  # its share: the layers it tuned (their rows went to rank 0), and what their tuning held
         return {"rank": rank, "world_size": world, "layers": sorted(own), "layerwise": True,
-                "device": str(stream.device), **({"tuning": _merge_tuning(mine_tuned)} if mine_tuned else {})}
+                "device": str(stream.device), **({"tuning": _merge_tuning(tuning)} if tuning else {})}
     after = count_params(model)
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description, "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],
