@@ -4,7 +4,10 @@ rank's share of a batch, and sums, gathers and broadcasts over the ranks (gloo o
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -12,13 +15,37 @@ from torch import Tensor
 from ..errors import MLPSurgeryError
 
 
+_ALONE = [0]  # depth of `alone()` blocks this process is in
+
+
 def world() -> tuple[int, int]:
-    """(rank, world size) of the process group this process has joined; (0, 1) without one."""
+    """(rank, world size) of the process group this process has joined; (0, 1) without one, or inside `alone()`."""
     import torch.distributed as dist
 
+    if _ALONE[0]:
+        return 0, 1
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Work that is this rank's own (e.g. the one layer it distils by itself while the others distil theirs): inside,
+    `world()` is (0, 1), so code that splits its work over the ranks or meets them in a collective runs as one
+    process would, without waiting for ranks that are not running it."""
+    _ALONE[0] += 1
+    try:
+        yield
+    finally:
+        _ALONE[0] -= 1
+
+
+def rank_folder(top: str | Path) -> Path:
+    """This rank's own folder inside a work folder `top` (`rank{r}-of-{N}`; `top` itself in one process): what each
+    rank writes for itself (its captures, spilled activations) where the ranks share a file system."""
+    rank, size = world()
+    return Path(top) / f"rank{rank}-of-{size}" if size > 1 else Path(top)
 
 
 def launched() -> bool:
@@ -47,7 +74,10 @@ def init(device: str | torch.device = "cpu") -> tuple[int, int]:
         from ..layerwise import map_large_allocations  # collectives had freed: docs/distributed.md)
 
         map_large_allocations()
-    dist.init_process_group(backend=backend)
+    # ranks wait for each other's long work at collectives (a layer's distillation in `lock dlr --layerwise`, a
+    # rank's share of phase 1 left after a resume): far longer than torch's 30-minute default. A rank that dies
+    # does not leave the others waiting out this timeout: torchrun stops every rank when one fails.
+    dist.init_process_group(backend=backend, timeout=timedelta(hours=24))
     # every rank joined before any returns: a rank that refuses its command at once (its own checks, before any
     # collective) and exits would otherwise take rank 0's store away from a rank still joining ("Connection reset
     # by peer" there instead of the refusal; seen in CI)
@@ -178,12 +208,18 @@ def mean_over_ranks(values: Tensor) -> Tensor:
 
 def from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (a collective; picklable, tensors on the CPU); `obj` without a process group."""
+    return from_rank(obj, 0)
+
+
+def from_rank(obj: Any, src: int) -> Any:
+    """Rank `src`'s `obj` on every rank (a collective; picklable, tensors on the CPU; the others pass anything);
+    `obj` without a process group."""
     import torch.distributed as dist
 
     if world()[1] == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    dist.broadcast_object_list(box, src=src, device=_collective_device())
     return box[0]
 
 
