@@ -233,7 +233,7 @@ def test_a_rank_that_finds_no_checkpoint_is_refused_not_run_out_of_step(tmp_path
         assert code == 1 and "different checkpoints (the step to resume from)" in log, log[-2000:]
 
 
-def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path):
+def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path, monkeypatch):
     """`torchrun ... fuse --layerwise --tune-data`: every rank reads one layer at a time, compresses every chosen
     layer and tunes its share; rank 0 takes the others' tuned layers and writes the folder. Each layer is tuned
     alone either way, so the folder is one process's `fuse --layerwise` bit for bit (tensors, manifest; the report's
@@ -254,11 +254,18 @@ def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_pa
     with contextlib.redirect_stdout(buf):
         assert main(argv("one")) == 0
     one = json.loads(buf.getvalue())
+    # the tune stream between layers on disk (as past --max-memory): each rank spills into a folder of its own (they
+    # wrote and removed the same file names in one folder before)
+    from mlpsurgery import layerwise
+
+    monkeypatch.setattr(layerwise.LayerStream, "check_memory", lambda self, *args, **kwargs: True)
     (c0, log0), (c1, log1) = ranks(tmp_path, argv("two"))
+    monkeypatch.undo()
     assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
     r0 = json.loads(log0[log0.index("{"):log0.rindex("}") + 1])
     r1 = json.loads(log1[log1.index("{"):log1.rindex("}") + 1])
     assert r0["world_size"] == 2 and r1["rank"] == 1 and r1["layers"] == [i for i in one["layers"] if i % 2]
+    assert r0["activations_on_disk"]
     assert_same_folders(tmp_path / "one", tmp_path / "two")
     for a, b in zip(r0["sites"], one["sites"], strict=True):  # (floats summed with other thread counts: approx)
         assert a["layer"] == b["layer"] and a["error_rel_tuned"] == pytest.approx(b["error_rel_tuned"], rel=1e-6)

@@ -92,7 +92,9 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
     rank, world = parallel.world()
     split = world > 1
-    workdir = None if workdir is None else Path(workdir)
+    top = workdir = None if workdir is None else Path(workdir)
+    if split and workdir is not None:  # each rank's captures and spilled activations in a folder of its own
+        workdir = parallel.rank_folder(top)
     stream = LayerStream(Path(folder), dtype=dtype, max_memory_gb=max_memory_gb,
                          spill_dir=None if workdir is None else workdir / "spill", device=device)
     model = stream.model
@@ -114,10 +116,8 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         settings = {"model": resident, "data": digest}
         if split:  # rank 0 takes the work folder; each rank keeps its captures in a folder of its own inside it
             parallel.same_on_every_rank("models, tune data or settings", (settings, asdict(cfg), layers, k))
-            top = workdir
             parallel.on_rank0(lambda: claim(top, "fuse-work-layerwise-split", {**settings, "world": world},
                                             inputs=[*inputs, out]))
-            workdir = top / f"rank{rank}-of-{world}"
         claim(workdir, "fuse-work-layerwise", settings, inputs=[*inputs, out])
         state["chain"] = digest_chain(resident, tune_data.shape, digest, stream.dtype)
         d = sites.config.hidden_size
@@ -180,7 +180,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             tuning.append(part)
 
     rewrite(stream, out, work, f"{cfg.method} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
-            inputs=[*inputs, *([workdir] if workdir is not None else [])], source_name=source_name,
+            inputs=[*inputs, *([top] if top is not None else [])], source_name=source_name,
             progress=progress, finish=lambda: record(model, "fusion", asdict(cfg), width=k, layers=layers,
                                                      tune_tokens=int(tune_data.numel()) if tune else 0),
             write=rank == 0)
