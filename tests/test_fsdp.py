@@ -479,6 +479,87 @@ def test_phase2_only_over_two_ranks_equals_one_process(tmp_path, dtype):
         [h["loss"] for h in one["report"]["phase2_history"]], rel=2e-2 if dtype else 1e-3, abs=1e-5)
 
 
+def _same_lock(a, b):
+    """Two locked folders hold the same tensors and manifest, but for the distillation's seconds."""
+    from conftest import assert_same_folders
+    from mlpsurgery.io import read_manifest
+
+    assert_same_folders(a, b, keys=("source", "dtype", "model_class", "modules"))
+    ha, hb = (read_manifest(d)["history"] for d in (a, b))
+    for h in ha + hb:
+        h["provenance"].pop("distillation_seconds")
+    assert ha == hb
+
+
+def test_lock_dlr_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path, monkeypatch):
+    """`torchrun ... lock dlr --layerwise`: each rank reads one layer at a time; a first pass distils its share of the
+    layers through phase 1 (rank 0 layers 0 and 2, rank 1 layer 1), side by side, the second their on-policy steps
+    in layer order, each net sent to every rank for the on-policy stream. Each layer's net is one process's bit for
+    bit (the phase-1 folder: tensors and manifest), neither rank holds the model; a rerun resumes every finished
+    layer without distilling it again; phase 2 in the same call runs sharded, as `--phase2-only` does. The mode is
+    the default under torchrun too (on the CPU, for a checkpoint with files)."""
+    import contextlib
+    import io
+
+    from conftest import saved_checkpoint
+    from mlpsurgery.cli import main
+    from mlpsurgery.methods.dlr_lock import layerwise as lw
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    byte_tokenizer().save_pretrained(src)
+
+    def argv(out, *extra, flag=("--layerwise",)):
+        a = lock_args(tmp_path, str(tmp_path / out), *flag, *extra)
+        a[2] = str(src)
+        return a
+
+    p1 = ("--phase2-steps", "0")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv("one", *p1)) == 0
+    one = json.loads(buf.getvalue())
+    work = tmp_path / "work"
+    # the activations between layers on disk (as past --max-memory): each rank spills into its own folder
+    monkeypatch.setattr(lw.LayerStream, "check_memory", lambda self, *args, **kwargs: True)
+    (c0, log0), (c1, log1) = ranks(tmp_path, argv("two", *p1, "--workdir", str(work)))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    assert all((work / f"rank{r}-of-2" / "spill").is_dir() for r in (0, 1)) and not (work / "spill").exists()
+    monkeypatch.undo()
+    two, r1 = _json(log0), _json(log1)
+    assert two["activations_on_disk"]
+    assert two["world_size"] == 2 and r1["rank"] == 1 and r1["layers"] == [1] and two["layerwise"]
+    _same_lock(tmp_path / "one", tmp_path / "two")
+    for key in ("phase1_relative_error", "onpolicy_start_error", "onpolicy_relative_error"):
+        assert two["report"][key] == pytest.approx(one["report"][key], rel=1e-6), key
+    assert two["report"]["layers"] == [0, 1, 2]
+    # each rank kept its own layers (their nets and reports) in a folder of its own
+    for r, layers in ((0, [0, 2]), (1, [1])):
+        kept = sorted(p.name for p in (work / f"rank{r}-of-2").glob("layer*"))
+        assert kept == [f"layer{i:03d}" for i in layers]
+        assert all(sorted(q.name for q in (work / f"rank{r}-of-2" / n).iterdir()) == [lw.LAYER_REPORT, lw.LAYER_NET]
+                   for n in kept)
+    # the rerun (the ranks forked from this process) distils no layer again and writes the same folder
+    monkeypatch.setattr(lw, "phase1", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("distilled again")))
+    for code, log in ranks(tmp_path, argv("three", *p1, "--workdir", str(work))):
+        assert code == 0, log[-3000:]
+    _same_lock(tmp_path / "one", tmp_path / "three")
+    monkeypatch.undo()
+    # the default on the CPU for a checkpoint with files, also under torchrun; phase 2 follows in the same call,
+    # sharded over the ranks; the work folder (ours) is removed
+    (c0, log0), (c1, log1) = ranks(tmp_path, argv("four", flag=()))
+    assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    four = _json(log0)
+    assert four["world_size"] == 2 and four["layerwise"] and four["report"]["phase2_history"]
+    assert set(four["perplexity"]) == {"original", "phase1", "phase2"} and four["heldout_ratio"] > 0
+    assert 0.4 < four["loaded_param_bytes"] / parallel.local_bytes(load(str(tmp_path / "one")).parameters()) < 0.6
+    assert not (tmp_path / "four.work").exists() and (tmp_path / "four" / "surgery.json").is_file()
+    # more ranks than locked layers: refused on every rank before anything is written
+    for code, log in ranks(tmp_path, argv("five", "--layers", "0")):
+        assert code == 2 and "2 ranks for 1 locked layers" in log, log[-2000:]
+    assert not any((tmp_path / n).exists() for n in ("five", "five.work"))
+
+
 def test_lock_dlr_refuses_more_ranks_than_layers_on_every_rank(tmp_path):
     out = str(tmp_path / "two")
     for code, log in ranks(tmp_path, lock_args(tmp_path, out, "--layers", "0")):

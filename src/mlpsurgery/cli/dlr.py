@@ -202,19 +202,17 @@ def _rank_from_depth(args, cfg, model) -> None:
 
 
 def _layerwise(args) -> bool:
-    """Phase 1 layer by layer? As --layerwise / --no-layerwise say; by default wherever it can run -- one process
-    (torchrun splits the whole model's phase 1 by layer instead), a model with weight files (not tiny:ARCH), not
-    --phase2-only -- since there it is the better lock in less time and memory (docs/dlr-lock.md, "Layer by
-    layer"), and on the CPU: on a GPU it is asked for with --layerwise (each layer captured and its net trained on
-    the device), the whole-model phase 1 staying the default there until the layer-by-layer one is measured on one."""
-    from .. import parallel
-
+    """Phase 1 layer by layer? As --layerwise / --no-layerwise say; by default wherever it can run -- a model with
+    weight files (not tiny:ARCH), not --phase2-only -- since there it is the better lock in less time and memory
+    (docs/dlr-lock.md, "Layer by layer"), in one process or under torchrun (the layers split over the ranks: the
+    same lock, bit for bit), and on the CPU: on a GPU it is asked for with --layerwise (each layer captured and its
+    net trained on the device), the whole-model phase 1 staying the default there until the layer-by-layer one is
+    measured on one."""
     if args.layerwise:
         return True
     if args.layerwise is not None:
         return False
-    return not (parallel.launched() or args.phase2_only or str(args.model or "").startswith("tiny:")
-                or device_of(args) != "cpu")
+    return not (args.phase2_only or str(args.model or "").startswith("tiny:") or device_of(args) != "cpu")
 
 
 def _calibration(corpus, cfg):
@@ -239,34 +237,40 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     from ..io import check_out
     from ..measure.memory import peak_rss
     from ..methods.dlr_lock import plan
+    from ..methods.dlr_lock.distributed import check_ranks
     from ..methods.dlr_lock.layerwise import check_layerwise, lock_layerwise, open_stream
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
-    if parallel.world()[1] > 1 or parallel.launched():
-        raise MLPSurgeryError("--layerwise runs as one process (it reads one layer at a time): drop torchrun, or drop "
-                              "--layerwise")
-    device = device_of(args)  # (a device this machine lacks is refused before anything is read)
+    # (a device this machine lacks is refused before anything is read); under torchrun the layers are split over
+    # the ranks, each reading one layer at a time, and phase 2 runs sharded
+    device, rank, world = join_ranks(args)
     cfg = _config(args)
     staged = cfg.phase2_steps > 0  # phase 2 follows on the whole locked model
     cfg.validate()
-    check_out(out, args.overwrite, inputs=inputs + [work])
-    check_state(work, inputs=inputs + [out], what="work")
+
+    def claims():  # rank 0's; every rank hears of a refusal
+        check_out(out, args.overwrite, inputs=inputs + [work])
+        check_state(work, inputs=inputs + [out], what="work")
+
+    parallel.on_rank0(claims)
     folder, source, name = checkpoint_folder(args.model)
     tok = _tokenizer(folder)
     if tok is None:
         raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration text needs; add its tokenizer files")
     layers_work, p1_out = (work / "layers", work / "phase1") if staged else (work, out)
     stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-    stream = open_stream(folder, layers_work, dtype=working_dtype(), max_memory_gb=args.max_memory,
-                         device=device)
+    stream = open_stream(folder, parallel.rank_folder(layers_work), dtype=working_dtype(),
+                         max_memory_gb=args.max_memory, device=device)
     _rank_from_depth(args, cfg, stream.model)
     one = replace(cfg, phase2_steps=0)  # what the layer-by-layer part runs (and its work records)
     check_layerwise(one)
-    plan(stream.model, cfg)  # the layer selection and the model's MLPs are checked before anything is written
+    # the layer selection, the model's MLPs and the number of ranks are checked before anything is written
+    check_ranks(plan(stream.model, cfg)[0])
     check_context(stream.model, cfg.block_len)
     if staged:  # phase 2's own settings, checked before phase 1 spends its hours
         _check_top_k(stream.model, cfg)
-        claim(work, "dlr-work-staged", {"model": stream.resident_fingerprint()}, inputs=inputs + [out])
+        resident = stream.resident_fingerprint()
+        parallel.on_rank0(lambda: claim(work, "dlr-work-staged", {"model": resident}, inputs=inputs + [out]))
     data = args.data or DEFAULT_DATA
     stage(args, f"reading and tokenising {data}")
     corpus = load_corpus(data, tok)
@@ -275,19 +279,26 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
                          overwrite=args.overwrite or staged,  # (staged: the phase-1 folder is ours, in the work folder)
                          source_name=name, progress=not args.quiet, data_name=corpus.source)
     del stream
+    parallel.barrier()  # rank 0 has written the phase-1 folder, and every rank is done with its work folder
     kept = args.keep_work or args.workdir is not None
-    res = {**res, "model": source, "world_size": 1, "config": cfg.__dict__, "perplexity": {}, "data": corpus.source,
-           "heldout": corpus.heldout_names, "second_corpus": None}
+    if rank == 0:
+        res = {**res, "model": source, "world_size": world, "config": cfg.__dict__, "perplexity": {},
+               "data": corpus.source, "heldout": corpus.heldout_names, "second_corpus": None}
     if staged:
-        stage(args, "phase 2 on the whole locked model")
+        stage(args, "phase 2 on the whole locked model" + (f", sharded over {world} ranks" if world > 1 else ""))
         p2 = run_lock(argparse.Namespace(**{**vars(args), "model": str(p1_out), "original": args.model,
                                             "phase2_only": True, "layerwise": False, "max_memory": None,
                                             "workdir": str(work / "phase2")}))
+        if rank != 0:
+            return {**p2, "layers": res["layers"], "layerwise": True, "phase1_seconds": res["seconds"],
+                    "seconds": res["seconds"] + p2["seconds"]}
         rep = {**res["report"], **{k: v for k, v in p2["report"].items() if k.startswith("phase2")}}
         res = {**p2, **{k: res[k] for k in ("model", "layerwise", "dtype", "activations_on_disk", "device")},
                "report": rep,
                "config": cfg.__dict__, "phase2_only": False, "phase1_seconds": res["seconds"],
                "phase2_seconds": p2["seconds"], "seconds": res["seconds"] + p2["seconds"]}
+    if rank != 0:
+        return {**res, "peak_rss_bytes": peak_rss()}
     if not kept:
         remove_ours(work)
     return {**res, "peak_rss_bytes": peak_rss(), "workdir": str(work) if kept else None}
@@ -549,8 +560,8 @@ def register(sub, groups) -> None:
                    help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files "
                         "(memory of one layer and its DLR-Net, not the model; each layer on the inputs the locked "
                         "layers before it produce) on --device, then phase 2 on the whole locked model; the default "
-                        "in one process on the CPU for a model with weight files. --no-layerwise: every layer's net "
-                        "side by side (the mode torchrun splits by layer, and the default on a GPU)")
+                        "on the CPU for a model with weight files (under torchrun the layers are split over the "
+                        "ranks, the same lock). --no-layerwise: every layer's net side by side (the default on a GPU)")
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")

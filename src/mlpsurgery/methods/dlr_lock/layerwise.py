@@ -19,6 +19,17 @@ on-policy pairs are fully on-policy: every earlier layer is locked with its *fin
 on-policy capture runs the phase-1 nets before their own on-policy steps). Not here: phase 2 (end-to-end logit
 distillation), which trains every layer at once -- it needs the whole model, or FSDP under torchrun.
 
+Under torchrun the locked layers are split over the ranks (rank r: the locked layers r, r + N, ...), every rank
+reading one layer at a time. A first pass runs the teacher's stream through the original layers up to the rank's
+last layer and distils each of its layers through phase 1 (its pairs captured; the closed-form start and the
+phase-1 steps, which need the original's inputs alone), the ranks side by side; the second pass, which writes,
+runs the on-policy stream in layer order: the owner of a layer captures its on-policy pairs (the locked layers
+before it being final by then), takes its on-policy steps -- phase 1's own stage, found done, then the on-policy
+one -- and sends the net to every rank (`parallel.from_rank`), which installs it and runs the stream on through it;
+rank 0 writes the folder. Each layer's arithmetic is one process's, so N ranks write what one process writes, bit
+for bit (tested); the on-policy steps are the part that stays in layer order. Each rank's layers and spilled
+activations are in `rank{r}-of-{N}` of the work folder (its pairs kept from the first pass to the second).
+
 Everything is resumable from the work folder (`layerNNN/` per locked layer, with phase 1's own stages while the
 layer is worked on): a restarted run recomputes the streams through the finished layers and goes on where it
 stopped. A finished layer keeps only its net as installed and its report (`net.safetensors`, `layer.json`); its
@@ -42,6 +53,9 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from tqdm.auto import tqdm
+
+from ... import parallel
 from ...capture import layer_capture
 from ...errors import IntegrityError, MLPSurgeryError
 from ...files import claim, model_fingerprint
@@ -51,6 +65,7 @@ from ...modules.dlr import DLRNet
 from ...sites import find_sites
 from .captured import capture_batch
 from .config import DLRConfig, DLRReport, combine_reports, plan
+from .distributed import check_ranks
 from .modulewise import phase1
 from .workdir import _save_stage_file
 
@@ -115,7 +130,7 @@ def layer_seed(cfg: DLRConfig, i: int) -> int:
 
 def merge_layers(reports: list[DLRReport], budget: int) -> DLRReport:
     """One report from the per-layer ones: per-layer fields merged, stage times summed (the layers ran one after
-    the other), histories averaged over the layers step by step (every layer runs the same schedule); the MLP's
+    the other; under torchrun the sum over every rank's layers, not a wall time), histories averaged over the layers step by step (every layer runs the same schedule); the MLP's
     parameters the largest locked MLP's (as `plan` reports them)."""
     out = combine_reports(reports, seconds=sum, history=_mean_history)
     out.params_mlp = budget
@@ -150,13 +165,26 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     time and save the result to `out`. blocks: (N, T) calibration token ids (what `lock dlr` distils on). The work
     folder holds the resumable per-layer stages; it is claimed for this model first (a new or empty folder is
     marked as mlpsurgery's; one holding anything else, or another model's work, is refused), since a finished
-    layer's working files are removed from it. Returns the report's dict."""
+    layer's working files are removed from it. Under torchrun the layers are split over the ranks (the module
+    docstring; every rank calls this with the same arguments, its stream spilling into `parallel.rank_folder` of
+    the work folder); rank 0 writes `out`. Returns the report's dict (on other ranks: which layers they distilled)."""
     check_layerwise(cfg)
-    workdir = Path(workdir)
+    rank, world = parallel.world()
+    split = world > 1
+    top = Path(workdir)
     model = stream.model
     sites = find_sites(model)
     everything, depth, budget = plan(model, cfg)  # shapes only: the skeleton suffices
+    check_ranks(everything)
+    owner = {i: n % world for n, i in enumerate(everything)}  # (parallel.share's split)
     resident = stream.resident_fingerprint()
+    data = hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest()
+    if split:  # rank 0 takes the work folder (for this model, data, settings and number of ranks: a resume with
+        # others is refused on every rank), each rank keeps its layers in a folder of its own inside it
+        parallel.same_on_every_rank("models, data or settings", (resident, data, _settings(cfg)))
+        parallel.on_rank0(lambda: claim(top, "dlr-work-layerwise-split", {
+            "model": resident, "data": data, "settings": _settings(cfg), "world": world}, inputs=[*inputs, out]))
+    workdir = parallel.rank_folder(top)
     claim(workdir, "dlr-work-layerwise", {"model": resident}, inputs=[*inputs, out])
     d = sites.config.hidden_size
     onpolicy = cfg.onpolicy_count > 0
@@ -170,14 +198,25 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     # training state (float32 weights, gradients, AdamW moments) and, on-policy, the second stream in and out
     pairs = 2 * blocks.numel() * d * torch.empty(0, dtype=getattr(torch, cfg.capture_dtype)).element_size()
     extra = (2 if onpolicy else 1) * pairs + 16 * params + (2 * act_bytes if onpolicy else 0)
-    acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
-    on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
-    start = digest_chain(resident, blocks.shape, hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest(),
-                   stream.dtype, cfg.capture_dtype)
-    chain = {"teacher": start, "onpolicy": start}
-    reports: list[DLRReport] = []
+    start = digest_chain(resident, blocks.shape, data, stream.dtype, cfg.capture_dtype)
     capture_dtype = getattr(torch, cfg.capture_dtype)
+    reports: dict[int, DLRReport] = {}
     t0 = time.perf_counter()
+
+    def one(i: int) -> DLRConfig:  # layer i alone, at the plan's one depth (the largest locked MLP's budget), as a
+        return replace(cfg, layers=str(i), seed=layer_seed(cfg, i), depth=depth)  # whole-model run gives every layer
+
+    def layer_dir(i: int) -> Path:
+        return workdir / f"layer{i:03d}"
+
+    if split:  # first pass: this rank's layers captured and through phase 1, side by side with the other ranks
+        _teacher_pass(stream, [i for i in everything if owner[i] == rank], blocks, batch, extra, start, one,
+                      layer_dir, capture_dtype, progress)
+    # the pass that writes: in one process each layer's whole work; under torchrun the on-policy steps in layer
+    # order (their pairs need every earlier layer's final net), each net sent from its owner to every rank
+    acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra) if onpolicy or not split else None
+    on_acts = acts  # the on-policy stream: the same as the teacher's until the first locked layer
+    chain = {"teacher": start, "onpolicy": start}
 
     def work(i: int) -> None:
         nonlocal acts, on_acts
@@ -189,39 +228,52 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             diverged = chain["onpolicy"] != chain["teacher"]  # (only once a layer before is locked)
             if onpolicy and diverged:
                 on_acts = stream.run(i, on_acts, tag="on-")
-            acts = stream.run(i, acts)
+            if acts is not None:
+                acts = stream.run(i, acts)
             if not diverged:
                 on_acts = acts
             for k in chain:
                 chain[k] = digest_chain(chain[k], i, original)
             return
-        wd = workdir / f"layer{i:03d}"
+        wd = layer_dir(i)
         site = sites.mlp[i]
         # what the layer's net is made of
         key = digest_chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))
-        done = _finished(wd, key, i)
-        if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
-            net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
-            net.load_state_dict(done[0])
-            reports.append(done[1])
-            next_acts = stream.run(i, acts)
-        else:
-            with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture", chain["teacher"],
-                               capture_dtype, i) as (cap, _):
-                next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
-            oncap = None
-            if onpolicy:
-                with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
-                                   digest_chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
-                    if needed:
-                        stream.run(i, on_acts, keep=False)
-            # the plan's one depth (the largest locked MLP's budget), as a whole-model run gives every layer
-            one = replace(cfg, layers=str(i), seed=layer_seed(cfg, i), depth=depth)
-            nets, rep = phase1(model, blocks, one, wd, progress=progress, device=stream.device, captured=cap,
-                               onpolicy_captured=oncap)
-            reports.append(rep)
-            net = nets[i].to(dtype=stream.dtype)
-            _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
+        mine = owner[i] == rank
+        next_acts = net = None
+        if mine:
+            done = _finished(wd, key, i)
+            if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
+                net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
+                net.load_state_dict(done[0])
+                reports[i] = done[1]
+                if not split:
+                    next_acts = stream.run(i, acts)
+            else:
+                with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture", chain["teacher"],
+                                   capture_dtype, i) as (cap, needed):
+                    if not split:
+                        next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
+                    elif needed:
+                        raise MLPSurgeryError(f"internal: layer {i}'s pairs are not in {wd}; the first pass writes them")
+                oncap = None
+                if onpolicy:
+                    with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
+                                       digest_chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
+                        if needed:
+                            stream.run(i, on_acts, keep=False)
+                with parallel.alone():  # this layer is this rank's alone
+                    nets, rep = phase1(model, blocks, one(i), wd, progress=progress, device=stream.device, captured=cap,
+                                       onpolicy_captured=oncap)
+                reports[i] = rep
+                net = nets[i].to(dtype=stream.dtype)
+                _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
+        if split:  # every rank installs every net: the on-policy stream runs through it, and rank 0 writes it
+            state = parallel.from_rank({k: v.detach().cpu() for k, v in net.state_dict().items()} if mine else None,
+                                       owner[i])
+            if not mine:
+                net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
+                net.load_state_dict(state)
         site.replace_subblock(net)
         chain["teacher"] = digest_chain(chain["teacher"], i, original)
         if onpolicy and i < everything[-1]:  # on through the locked layer
@@ -229,20 +281,59 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
             chain["onpolicy"] = digest_chain(chain["onpolicy"], i, model_fingerprint(layer))
         if not onpolicy:
             chain["onpolicy"] = chain["teacher"]
-        acts = next_acts
+        acts = next_acts  # (under torchrun the teacher's stream stops at the first locked layer: its pairs are taken)
         if i == everything[-1]:  # the streams are not needed past the last locked layer
             acts = on_acts = None
+            if split:  # rank 0 records every layer's report
+                for part in parallel.all_gather(reports):
+                    reports.update(part)
 
     result = {}
 
     def finish() -> None:
-        result["report"] = report = merge_layers(reports, budget)
+        result["report"] = report = merge_layers([reports[i] for i in sorted(reports)], budget)
         record(model, "dlr_lock", asdict(cfg), data=data_name, seed=cfg.seed, capture_tokens=report.capture_tokens,
                phase1_steps=cfg.phase1_steps, onpolicy_steps=cfg.onpolicy_count, phase2_steps=0, layerwise=True,
                phase1_relative_error=report.phase1_relative_error,
                distillation_seconds=report.start_seconds + report.phase1_seconds + report.onpolicy_seconds)
 
     rewrite(stream, out, work, "DLR-Lock (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
-            inputs=[*inputs, workdir], source_name=source_name, progress=progress, finish=finish)
-    return {"out": str(out), "report": result["report"].as_dict(), "layerwise": True, "seconds": time.perf_counter() - t0,
-            "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk, "device": str(stream.device)}
+            inputs=[*inputs, top], source_name=source_name, progress=progress, finish=finish, write=rank == 0)
+    shared = {"layerwise": True, "seconds": time.perf_counter() - t0, "device": str(stream.device),
+              **({"world_size": world} if split else {})}
+    if rank != 0:
+        return {"rank": rank, "layers": [i for i in everything if owner[i] == rank], **shared}
+    return {"out": str(out), "report": result["report"].as_dict(), **shared,
+            "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk}
+
+
+def _teacher_pass(stream: LayerStream, mine: list[int], blocks: Tensor, batch: int, extra: int, start: str, one,
+                  layer_dir, capture_dtype, progress: bool) -> None:
+    """Under torchrun, before the pass that writes: the teacher's stream through the original layers up to this
+    rank's last one; each of its layers not finished before has its pairs captured and is distilled through phase
+    1 (the closed-form start and the phase-1 steps: they need the original's inputs alone), which stays in its
+    work folder (`modulewise.phase1`'s stage); the on-policy steps follow in the second pass, which finds that stage
+    done. So the ranks distil their layers' phase 1 side by side, and each layer ends as one process ends it."""
+    sites = find_sites(stream.model)
+    todo = [i for i in mine if not (layer_dir(i) / LAYER_REPORT).exists()]
+    if not todo:
+        return
+    acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra)
+    chain = start
+    rank = parallel.world()[0]
+    for i in tqdm(range(todo[-1] + 1), desc=f"DLR phase 1, rank {rank}'s layers", unit="layer", disable=not progress):
+        layer = stream.materialise(i)
+        original = model_fingerprint(layer)
+        last = i == todo[-1]
+        if i in todo:
+            with layer_capture(sites.mlp[i], len(blocks), blocks.shape[1], batch, layer_dir(i) / "capture", chain,
+                               capture_dtype, i) as (cap, needed):
+                if needed or not last:
+                    acts = stream.run(i, acts, keep=not last)
+            with parallel.alone():
+                phase1(stream.model, blocks, replace(one(i), onpolicy_steps=0), layer_dir(i), progress=progress,
+                       device=stream.device, captured=cap)
+        else:
+            acts = stream.run(i, acts)
+        chain = digest_chain(chain, i, original)
+        stream.release(i)
