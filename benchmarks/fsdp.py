@@ -22,7 +22,9 @@ torchrun command a second time with PYTHONPATH=SRC (an earlier checkout's src/, 
 before the loading into shards) for the before / after columns.
 --what lock-dlr: `mlpsurgery lock dlr` (phase 1 split by layer, phase 2 sharded; --phase1-hard-fraction 0, so
 that each layer's net is the one-process net). Per process: peak resident memory and wall time; the stage
-times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference.
+times, the held-out perplexity ratio and per-layer errors of both runs, and the largest weight difference. Both
+runs are `--no-layerwise` (every layer's net side by side, the model loaded whole), or with --layerwise both read
+the checkpoint one layer at a time (phase 1 split by layer over the ranks, its on-policy steps in layer order).
 
     python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
         --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
@@ -32,6 +34,8 @@ times, the held-out perplexity ratio and per-layer errors of both runs, and the 
     python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
         --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
+    python benchmarks/fsdp.py --what lock-dlr --layerwise --json docs/results/fsdp-dlr-layerwise-smollm2.json \
+        --md docs/results/fsdp-dlr-layerwise-smollm2.md
     python benchmarks/fsdp.py --what phase2-only [--before OLD/src] --json docs/results/fsdp-phase2-smollm2.json \
         --md docs/results/fsdp-phase2-smollm2.md
     python benchmarks/fsdp.py --what nest --synthetic 1e9 --dtype bfloat16 --steps 2 --batch-size 2 --block-len 64 \
@@ -105,6 +109,10 @@ LOCK = ["--rank", "64", "--calib-blocks", "32", "--block-len", "128", "--phase1-
         "--phase2-batch", "4", "--eval-tokens", "2048", "--memory-gb", "4", "--no-layerwise"]  # (torchrun's mode)
 
 
+def _ratio(ppl: dict) -> str:
+    return f"{ppl['phase1']['heldout'] / ppl['original']['heldout']:.4f}" if "phase1" in ppl else "--"
+
+
 def render_lock(res: dict) -> str:
     rows = ["| run | process | peak RSS | wall |", "|---|---|---|---|"]
     for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
@@ -113,15 +121,22 @@ def render_lock(res: dict) -> str:
             rows.append(f"| {name} | rank {p['rank']} | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
     a, b = res["report_one"], res["report_sharded"]
     stages = ["| stage | one process | torchrun |", "|---|---|---|"]
+    if "--layerwise" in res["args"]:  # each layer's stages were timed alone (on its rank): their sum, not a wall time
+        stages[0] = "| stage (layer by layer: the layers' seconds added up, over every rank) | one process | torchrun |"
     for key in ("start_seconds", "phase1_seconds", "onpolicy_seconds", "phase2_seconds"):
         stages.append(f"| {key.removesuffix('_seconds')} | {a[key]:.0f} s | {b[key]:.0f} s |")
-    err = lambda k: max(abs(a[k][i] - b[k][i]) for i in a[k])  # noqa: E731
+    def err(k: str) -> str:  # (phase 2 after a layer-by-layer phase 1 reports no per-layer errors)
+        both = [abs(a[k][i] - b[k][i]) for i in a.get(k) or {} if i in (b.get(k) or {})]
+        return f"{max(both):.1e}" if both else "--"
+
     return "\n".join([
         f"`mlpsurgery lock dlr {res['model']} {' '.join(res['args'])}`; machine: {res['machine']}; torch {res['torch']}.",
         "", *rows, "", *stages, "",
-        f"Held-out perplexity ratio: {res['ratio_one']:.4f} (one process) vs {res['ratio_sharded']:.4f} (torchrun).",
-        f"Largest per-layer difference of the held-out module error: phase 1 {err('phase1_relative_error'):.1e}, "
-        f"on-policy {err('onpolicy_relative_error'):.1e}, phase 2 {err('phase2_relative_error'):.1e}; largest "
+        f"Held-out perplexity ratio: {res['ratio_one']:.4f} (one process) vs {res['ratio_sharded']:.4f} (torchrun)" +
+        (f"; after phase 1: {_ratio(res['perplexity_one'])} vs {_ratio(res['perplexity_sharded'])}."
+         if "perplexity_one" in res else "."),
+        f"Largest per-layer difference of the held-out module error: phase 1 {err('phase1_relative_error')}, "
+        f"on-policy {err('onpolicy_relative_error')}, phase 2 {err('phase2_relative_error')}; largest "
         f"difference between the two saved models' weights: {res['max_weight_diff']:.1e}."]) + "\n"
 
 
@@ -279,16 +294,18 @@ def _machine() -> dict:
 
 
 def bench_lock(args, work: Path) -> dict:
-    common = ["lock", "dlr", args.model, *LOCK, "--json", "--quiet"]
+    given = [a for a in LOCK if a != "--no-layerwise"] + (["--layerwise"] if args.layerwise else ["--no-layerwise"])
+    common = ["lock", "dlr", args.model, *given, "--json", "--quiet"]
     one, one_s, sharded, sharded_s = _both(args, common, work)
     main0 = next(o for o in sharded if "out" in o)
-    return {"what": "lock-dlr", "model": args.model, "args": LOCK, "ranks": args.ranks, **_machine(),
+    return {"what": "lock-dlr", "model": args.model, "args": given, "ranks": args.ranks, **_machine(),
             "one_seconds": one_s, "sharded_seconds": sharded_s,
             "one": [{"rank": 0, "peak_rss_bytes": one[0]["peak_rss_bytes"]}],
             "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"]} for o in sharded),
                               key=lambda p: p["rank"]),
             "report_one": one[0]["report"], "report_sharded": main0["report"],
             "ratio_one": one[0]["heldout_ratio"], "ratio_sharded": main0["heldout_ratio"],
+            "perplexity_one": one[0]["perplexity"], "perplexity_sharded": main0["perplexity"],
             "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
 
 
@@ -418,7 +435,8 @@ def main() -> None:
                          "temporary folder and removed) instead of --model")
     ap.add_argument("--dtype", help="--what nest: passed to the command (e.g. bfloat16)")
     ap.add_argument("--data", help="--what nest: passed to the command (default: its own)")
-    ap.add_argument("--layerwise", action="store_true", help="--what fuse: both runs layer by layer (fuse --layerwise)")
+    ap.add_argument("--layerwise", action="store_true", help="--what fuse / lock-dlr: both runs layer by layer "
+                                                             "(--layerwise; lock-dlr's default is --no-layerwise)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--render", help="print the markdown of a JSON written before")
@@ -432,9 +450,9 @@ def main() -> None:
                "attack": bench_attack}[args.what](args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = render(res)
-    if args.json:
+    if args.json:  # (first: a rendering that fails loses no measurement)
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    text = render(res)
     if args.md:
         Path(args.md).write_text(text)
     print(text, end="")
