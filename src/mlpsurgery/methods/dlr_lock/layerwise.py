@@ -52,7 +52,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-
 from tqdm.auto import tqdm
 
 from ... import parallel
@@ -130,8 +129,9 @@ def layer_seed(cfg: DLRConfig, i: int) -> int:
 
 def merge_layers(reports: list[DLRReport], budget: int) -> DLRReport:
     """One report from the per-layer ones: per-layer fields merged, stage times summed (the layers ran one after
-    the other; under torchrun the sum over every rank's layers, not a wall time), histories averaged over the layers step by step (every layer runs the same schedule); the MLP's
-    parameters the largest locked MLP's (as `plan` reports them)."""
+    the other; under torchrun the sum over every rank's layers, not a wall time), histories averaged over the
+    layers step by step (every layer runs the same schedule); the MLP's parameters the largest locked MLP's (as
+    `plan` reports them)."""
     out = combine_reports(reports, seconds=sum, history=_mean_history)
     out.params_mlp = budget
     return out
@@ -255,16 +255,18 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                     if not split:
                         next_acts = stream.run(i, acts)  # (needed either way: the next layer's inputs)
                     elif needed:
-                        raise MLPSurgeryError(f"internal: layer {i}'s pairs are not in {wd}; the first pass writes them")
+                        raise MLPSurgeryError(f"internal: layer {i}'s pairs are not in {wd}; the first pass "
+                                              "writes them")
                 oncap = None
                 if onpolicy:
                     with layer_capture(site, len(blocks), blocks.shape[1], batch, wd / "capture_onpolicy",
-                                       digest_chain(chain["onpolicy"], "onpolicy"), capture_dtype, i) as (oncap, needed):
+                                       digest_chain(chain["onpolicy"], "onpolicy"), capture_dtype,
+                                       i) as (oncap, needed):
                         if needed:
                             stream.run(i, on_acts, keep=False)
                 with parallel.alone():  # this layer is this rank's alone
-                    nets, rep = phase1(model, blocks, one(i), wd, progress=progress, device=stream.device, captured=cap,
-                                       onpolicy_captured=oncap)
+                    nets, rep = phase1(model, blocks, one(i), wd, progress=progress, device=stream.device,
+                                       captured=cap, onpolicy_captured=oncap)
                 reports[i] = rep
                 net = nets[i].to(dtype=stream.dtype)
                 _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
