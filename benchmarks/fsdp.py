@@ -106,7 +106,7 @@ def _max_diff(a: str, b: str) -> float:
 
 LOCK = ["--rank", "64", "--calib-blocks", "32", "--block-len", "128", "--phase1-steps", "40", "--phase1-tokens", "256",
         "--phase1-hard-fraction", "0", "--onpolicy-steps", "10", "--phase2-steps", "6", "--phase2-blocks", "16",
-        "--phase2-batch", "4", "--eval-tokens", "2048", "--memory-gb", "4", "--no-layerwise"]  # (torchrun's mode)
+        "--phase2-batch", "4", "--eval-tokens", "2048", "--memory-gb", "4", "--no-layerwise"]  # (swapped for --layerwise by --layerwise)
 
 
 def _ratio(ppl: dict) -> str:
