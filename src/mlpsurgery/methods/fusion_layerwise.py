@@ -101,7 +101,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     sites = find_sites(model)
     layers, k = layers_and_width(sites, cfg)  # on the skeleton: shapes only
     own = set(split_share(layers, tune))  # this rank's share of the tuning (all of it in one process)
-    owner = {i: n % world for n, i in enumerate(layers)}  # (parallel.share's split)
+    owner = parallel.owners(layers)
     if check is not None:
         check(model)
     before = count_params(model)

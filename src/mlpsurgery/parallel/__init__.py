@@ -18,11 +18,11 @@ the tests run: two processes on one machine), NCCL on CUDA, one GPU per rank (LO
 from .fsdp import (ShardedSource, drop, find_layers, full_value, is_dtensor, is_sharded, load_sharded, local_bytes,
                    release, rows, save_sharded, shard, shard_copy, unshard)
 from .group import (all_gather, alone, barrier, check_split, from_rank, from_rank0, gather_to_rank0, init, launched,
-                    mean_over_ranks, on_rank0, rank0_outcome, rank_device, rank_folder, recv_from, same_on_every_rank,
-                    send_to, share, sum_over_ranks, sum_over_ranks_, world)
+                    mean_over_ranks, on_rank0, owners, rank0_outcome, rank_device, rank_folder, recv_from,
+                    same_on_every_rank, send_to, share, sum_over_ranks, sum_over_ranks_, world)
 
 __all__ = ["ShardedSource", "all_gather", "alone", "barrier", "check_split", "drop", "find_layers", "from_rank",
            "from_rank0", "full_value", "gather_to_rank0", "init", "is_dtensor", "is_sharded", "launched",
-           "load_sharded", "local_bytes", "mean_over_ranks", "on_rank0", "rank0_outcome", "rank_device",
+           "load_sharded", "local_bytes", "mean_over_ranks", "on_rank0", "owners", "rank0_outcome", "rank_device",
            "rank_folder", "recv_from", "release", "rows", "same_on_every_rank", "save_sharded", "send_to", "shard",
            "shard_copy", "share", "sum_over_ranks", "sum_over_ranks_", "unshard", "world"]

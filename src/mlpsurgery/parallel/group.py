@@ -134,6 +134,12 @@ def share(items: list) -> list:
     return list(items)[rank::size]
 
 
+def owners(items: list) -> dict:
+    """item -> the rank whose `share` of `items` holds it (every item rank 0's without a process group)."""
+    size = world()[1]
+    return {x: n % size for n, x in enumerate(items)}
+
+
 def all_gather(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable; tensors travel on the CPU), in rank order; [obj] without a process group."""
     import torch.distributed as dist

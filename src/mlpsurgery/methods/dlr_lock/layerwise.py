@@ -176,7 +176,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     sites = find_sites(model)
     everything, depth, budget = plan(model, cfg)  # shapes only: the skeleton suffices
     check_ranks(everything)
-    owner = {i: n % world for n, i in enumerate(everything)}  # (parallel.share's split)
+    owner, mine = parallel.owners(everything), parallel.share(everything)
     resident = stream.resident_fingerprint()
     data = hashlib.sha256(blocks.cpu().numpy().tobytes()).hexdigest()
     if split:  # rank 0 takes the work folder (for this model, data, settings and number of ranks: a resume with
@@ -210,8 +210,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
         return workdir / f"layer{i:03d}"
 
     if split:  # first pass: this rank's layers captured and through phase 1, side by side with the other ranks
-        _teacher_pass(stream, [i for i in everything if owner[i] == rank], blocks, batch, extra, start, one,
-                      layer_dir, capture_dtype, progress)
+        _teacher_pass(stream, mine, blocks, batch, extra, start, one, layer_dir, capture_dtype, progress)
     # the pass that writes: in one process each layer's whole work; under torchrun the on-policy steps in layer
     # order (their pairs need every earlier layer's final net), each net sent from its owner to every rank
     acts = stream.layer_inputs(blocks, batch_size=batch, extra_bytes=extra) if onpolicy or not split else None
@@ -239,9 +238,9 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
         site = sites.mlp[i]
         # what the layer's net is made of
         key = digest_chain(chain["teacher"], chain["onpolicy"], original, _settings(cfg))
-        mine = owner[i] == rank
+        own = owner[i] == rank
         next_acts = net = None
-        if mine:
+        if own:
             done = _finished(wd, key, i)
             if done is not None:  # finished before a stop: its net read back, nothing captured or trained again
                 net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
@@ -271,9 +270,9 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                 net = nets[i].to(dtype=stream.dtype)
                 _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
         if split:  # every rank installs every net: the on-policy stream runs through it, and rank 0 writes it
-            state = parallel.from_rank({k: v.detach().cpu() for k, v in net.state_dict().items()} if mine else None,
+            state = parallel.from_rank({k: v.detach().cpu() for k, v in net.state_dict().items()} if own else None,
                                        owner[i])
-            if not mine:
+            if not own:
                 net = DLRNet(d, cfg.rank, depth, cfg.eps).to(device=stream.device, dtype=stream.dtype)
                 net.load_state_dict(state)
         site.replace_subblock(net)
@@ -304,7 +303,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
     shared = {"layerwise": True, "seconds": time.perf_counter() - t0, "device": str(stream.device),
               **({"world_size": world} if split else {})}
     if rank != 0:
-        return {"rank": rank, "layers": [i for i in everything if owner[i] == rank], **shared}
+        return {"rank": rank, "layers": mine, **shared}
     return {"out": str(out), "report": result["report"].as_dict(), **shared,
             "dtype": str(stream.dtype).split(".")[-1], "activations_on_disk": stream.disk}
 
