@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--only", help="comma-separated labels' first words to run (e.g. lock,unlock)")
     p.add_argument("--match", help="comma-separated: run only the labels holding one of these (e.g. layerwise)")
+    p.add_argument("--skip", help="comma-separated: leave out the labels holding one of these (e.g. tune-data)")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--md")
     p.add_argument("--render", metavar="JSON", help="only write --md from a saved --json result")
@@ -222,6 +223,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
     model, fuse_method, shown = args.model, "fusion", args.model
     rows = []
+    head = {}
+
+    def save() -> None:
+        if not head:
+            return
+        result = {**head, "rows": rows}
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.md:
+            Path(args.md).write_text(render(result))
+
     try:  # the temporary folder (and a synthetic model in it) is removed however the run ends
         if args.synthetic:
             # written by a child process: this one must stay small, because a child's peak RSS (os.wait4) includes
@@ -237,12 +249,17 @@ def main() -> None:
         n_params = info["params"]["total"]
         width = info["mlp_inner_width"] // 2 if args.synthetic else 768
         base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
+        head.update({"model": shown, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
+                     "machine": f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}",
+                     "python": platform.python_version()})
         for dtype in args.dtypes.split(","):
             weights = n_params * (4 if dtype == "float32" else 2)
             for label, argv in commands(model, dtype, work, width, fuse_method):
                 if args.only and label.split()[0] not in args.only.split(","):
                     continue
                 if args.match and not any(m in label for m in args.match.split(",")):
+                    continue
+                if args.skip and any(m in label for m in args.skip.split(",")):
                     continue
                 rss, secs, rc, at, anon = peak_rss(EXE + argv, env)
                 row = {"command": label, "dtype": dtype, "peak_rss_bytes": rss, "seconds": round(secs, 1),
@@ -251,18 +268,13 @@ def main() -> None:
                        "excess_bytes": rss - base, "weights_bytes": weights,
                        "excess_over_weights": round((rss - base) / weights, 2)}
                 rows.append(row)
+                save()  # after every row: a run stopped later keeps what it measured
                 print(f"{label:32s} {dtype:9s} peak {rss / 2**30:6.2f} GiB  excess {(rss - base) / 2**30:6.2f} GiB "
                       f"= {row['excess_over_weights']:5.2f}x weights; anonymous {anon / 2**30:.2f} GiB  "
                       f"({secs:.0f} s, exit {rc}; peak during: {at})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"model": shown, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
-              "machine": f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}",
-              "python": platform.python_version(), "rows": rows}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        Path(args.md).write_text(render(result))
+    save()
 
 if __name__ == "__main__":
     main()
