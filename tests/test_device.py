@@ -202,7 +202,7 @@ def test_pruning_layer_by_layer_on_the_device_matches_the_cpu(device, ids, tmp_p
 
     from conftest import file_tensors, saved_checkpoint
     from mlpsurgery.io import load
-    from mlpsurgery.methods.pruning_layerwise import prune_layerwise
+    from mlpsurgery.methods.pruning.layerwise import prune_layerwise
 
     src = saved_checkpoint(tmp_path, "llama")
     data = torch.randint(3, 200, (8, 32), generator=torch.Generator().manual_seed(0))
@@ -227,7 +227,7 @@ def test_fusion_and_nesting_layer_by_layer_on_the_device_match_the_cpu(device, i
     from conftest import saved_checkpoint
     from mlpsurgery.io import load
     from mlpsurgery.methods.fusion import FusionConfig
-    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+    from mlpsurgery.methods.fusion.layerwise import fuse_layerwise
     from mlpsurgery.methods.nsn import NSNConfig
     from mlpsurgery.methods.nsn.layerwise import nest_layerwise
 

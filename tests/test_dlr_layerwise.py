@@ -328,7 +328,7 @@ def test_mlps_of_different_sizes_get_one_depth_and_resume(tmp_path, monkeypatch)
     """A folder whose MLPs differ in width (layer 0 fused narrower): every net has the depth of the largest MLP's
     budget, as in a whole-model run, so a finished layer's net is read back into the shape it was saved with."""
     from mlpsurgery.methods.fusion import FusionConfig
-    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+    from mlpsurgery.methods.fusion.layerwise import fuse_layerwise
 
     src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     fuse_layerwise(src, tmp_path / "narrow", FusionConfig(width=8, layers="0", n_init=1), progress=False)

@@ -1,4 +1,4 @@
-"""Layer-sequential mode (layerwise.py, methods/pruning_layerwise.py): one layer in memory at a time, results
+"""Layer-sequential mode (layerwise.py, methods/pruning/layerwise.py): one layer in memory at a time, results
 equal to the whole-model mode bit for bit."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from mlpsurgery.io import MANIFEST, load, save
 from mlpsurgery.layerwise import LayerStream
 from mlpsurgery.tensorfiles import SafetensorsWriter
 from mlpsurgery.methods.pruning import prune
-from mlpsurgery.methods.pruning_blocks_layerwise import block_prune_layerwise
-from mlpsurgery.methods.pruning_layerwise import _moment_bytes, prune_layerwise
+from mlpsurgery.methods.pruning.blocks_layerwise import block_prune_layerwise
+from mlpsurgery.methods.pruning.layerwise import _moment_bytes, prune_layerwise
 from mlpsurgery.models import load_model
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import ARCHITECTURES
@@ -160,7 +160,7 @@ def test_cli_prune_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3"))
 
 
-# ---- structured pruning one layer at a time (methods/pruning_blocks_layerwise.py) -------------------------
+# ---- structured pruning one layer at a time (methods/pruning/blocks_layerwise.py) -------------------------
 
 def _same_folders(a_dir, b_dir):
     assert_same_folders(a_dir, b_dir, keys=("source", "history", "masks", "dtype", "model_class", "modules", "config"))

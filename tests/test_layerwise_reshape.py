@@ -1,4 +1,4 @@
-"""Layer-sequential fusion and NSN surgery (methods/fusion_layerwise.py, methods/nsn/layerwise.py): one layer in memory at a time, the compressed layers
+"""Layer-sequential fusion and NSN surgery (methods/fusion/layerwise.py, methods/nsn/layerwise.py): one layer in memory at a time, the compressed layers
 appended to a file whose header is written last, and the folder equal to what `fuse` + `save` write."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import load, save
 from mlpsurgery.tensorfiles import SafetensorsAppender, header_reserve
 from mlpsurgery.methods.fusion import FusionConfig, fuse
-from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+from mlpsurgery.methods.fusion.layerwise import fuse_layerwise
 from mlpsurgery.models import load_model
 from mlpsurgery.tiny import ARCHITECTURES
 
@@ -84,7 +84,7 @@ def test_layerwise_tuning_equals_whole_model_bit_for_bit(tmp_path, arch, method,
     whole = fuse(loaded.model, cfg, tune_data=blocks, progress=False)
     save(loaded.model, tmp_path / "whole")
     seen = []
-    import mlpsurgery.methods.fusion_layerwise as flw
+    import mlpsurgery.methods.fusion.layerwise as flw
     real = flw.tune_layers
 
     def spy(model, capture, layers, *a, **kw):

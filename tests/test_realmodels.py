@@ -79,7 +79,7 @@ def test_smollm2_layerwise_sparsegpt_equals_the_whole_model_one(smollm2, tmp_pat
 
     from mlpsurgery.io import save
     from mlpsurgery.methods.pruning import prune
-    from mlpsurgery.methods.pruning_layerwise import prune_layerwise
+    from mlpsurgery.methods.pruning.layerwise import prune_layerwise
     from mlpsurgery.models import load_model, smollm2_dir
 
     data = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -103,7 +103,7 @@ def test_smollm2_layerwise_fusion_and_export_equal_the_whole_model_ones(smollm2,
 
     from mlpsurgery.io import export, save, to_stock
     from mlpsurgery.methods.fusion import FusionConfig, fuse
-    from mlpsurgery.methods.fusion_layerwise import fuse_layerwise
+    from mlpsurgery.methods.fusion.layerwise import fuse_layerwise
     from mlpsurgery.models import load_model, smollm2_dir
 
     cfg = FusionConfig(width=384, layers="27-29", n_init=1)

@@ -76,7 +76,7 @@ def run_fuse(args) -> dict:
 
 
 def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
-    """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion_layerwise.py); with --tune-data
+    """`fuse --layerwise`: the checkpoint read one layer at a time (methods/fusion/layerwise.py); with --tune-data
     each chosen layer's pairs are captured as the tune text flows through the original layers, into OUT.work (removed
     on success), and the layer tuned on them before the next is read. Under torchrun every rank reads every layer
     and tunes its share of them; rank 0 writes the folder."""
@@ -86,7 +86,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     from ..files import check_state, remove_ours
     from ..io import check_out
     from ..measure.memory import peak_rss
-    from ..methods.fusion_layerwise import check_layerwise, fuse_layerwise
+    from ..methods.fusion.layerwise import check_layerwise, fuse_layerwise
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
     check_layerwise(cfg, tune=bool(args.tune_data))

@@ -212,14 +212,14 @@ def run_prune(args) -> dict:
 
 
 def _prune_layerwise(args, pattern) -> dict:
-    """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning_layerwise.py; the structured
-    methods, which change shapes: methods/pruning_blocks_layerwise.py, Fisher's activations spilled to OUT.work past
+    """`prune --layerwise`: read the checkpoint one layer at a time (methods/pruning/layerwise.py; the structured
+    methods, which change shapes: methods/pruning/blocks_layerwise.py, Fisher's activations spilled to OUT.work past
     --max-memory)."""
     from ..data import load_corpus
     from ..files import check_state
     from ..io import check_out
-    from ..methods.pruning_blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
-    from ..methods.pruning_layerwise import prune_layerwise
+    from ..methods.pruning.blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
+    from ..methods.pruning.layerwise import prune_layerwise
     from ..models import _tokenizer, check_context, checkpoint_folder, read_config, working_dtype
     from ..sites import parse_layers
 

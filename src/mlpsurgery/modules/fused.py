@@ -1,4 +1,4 @@
-"""Modules installed by MLP Fusion (methods/fusion.py) and its low-rank baseline.
+"""Modules installed by MLP Fusion (methods/fusion/) and its low-rank baseline.
 
 `FusedMLP` is the paper's eq. (5): the MLP whose k inner neurons are the centroids of k clusters of the
 original h neurons, with the cluster sizes P = C Cᵀ kept as a fixed stand-alone scale:

@@ -7,7 +7,7 @@ hands it to `work`, which fills the result's layer with the kept groups and neur
 same code as the whole-model path) and the rescaling folded in, puts it in the source layer's place, and appends
 it to the output. Only one source layer and its subset are in memory at a time; the folder written holds what
 `twist extract` writes, bit for bit (tests/test_twist.py). The writing (`write_subnet`) also serves `prune
---layerwise` for the structured baselines (methods/pruning_blocks_layerwise.py: Fisher blocks, random subnets).
+--layerwise` for the structured baselines (methods/pruning/blocks_layerwise.py: Fisher blocks, random subnets).
 """
 
 from __future__ import annotations

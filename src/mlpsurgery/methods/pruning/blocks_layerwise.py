@@ -1,8 +1,8 @@
-"""Fisher block pruning and random subnets layer by layer from the checkpoint's files (layerwise.py).
+"""Fisher block pruning and random subnets layer by layer from the checkpoint's files (mlpsurgery/layerwise.py).
 
-The structured baselines of pruning.py remove whole blocks (KV groups, MLP chunks), so the folder written has
-other shapes; it is cut out as `twist extract --layerwise` cuts a subnet (`twist.layerwise.write_subnet`: one
-source layer read at a time, the whole-model path's `fill_layer`).
+The structured baselines (fisher.py, and TwIST's random subnets) remove whole blocks (KV groups, MLP chunks), so the
+folder written has other shapes; it is cut out as `twist extract --layerwise` cuts a subnet
+(`twist.layerwise.write_subnet`: one source layer read at a time, the whole-model path's `fill_layer`).
 
 `random` needs no data: the subnet is drawn from shapes alone (`twist.extraction.deployment`, the draw of the
 whole-model `prune --method random`).
@@ -32,13 +32,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..errors import MLPSurgeryError
-from ..files import claim, remove_ours
-from ..layerwise import LayerStream
-from ..measure.cost import count_params
-from ..sites import find_sites
-from .pruning import (FISHER_ERROR_INPUTS, _layer_sizes, _per_layer, check_lm_loss, fisher_gates, fisher_subnet,
-                      keep_for_sparsity, removal_hooks)
+from ...errors import MLPSurgeryError
+from ...files import claim, remove_ours
+from ...layerwise import LayerStream
+from ...measure.cost import count_params
+from ...sites import find_sites
+from . import keep_for_sparsity
+from .counts import _layer_sizes, _per_layer
+from .fisher import FISHER_ERROR_INPUTS, check_lm_loss, fisher_gates, fisher_subnet, removal_hooks
 
 METHODS = ("fisher", "random")
 
@@ -52,9 +53,9 @@ def block_prune_layerwise(folder: str | Path, out: str | Path, method: str, spar
     """`prune(model, method, sparsity, ...)` then `save` for the structured methods, one layer in memory at a time;
     returns prune's report. spill_dir: a new folder (or one of ours) where Fisher's activations go past max_memory_gb,
     made, marked and removed here."""
-    from .twist import make_layout
-    from .twist.extraction import deployment
-    from .twist.layerwise import write_subnet
+    from ..twist import make_layout
+    from ..twist.extraction import deployment
+    from ..twist.layerwise import write_subnet
 
     if method not in METHODS:
         raise MLPSurgeryError(f"block pruning layer by layer is {', '.join(METHODS)}, not {method!r}")

@@ -1,11 +1,12 @@
-"""Magnitude, Wanda and SparseGPT pruning layer by layer from the checkpoint's files (layerwise.py).
+"""Magnitude, Wanda and SparseGPT pruning layer by layer from the checkpoint's files (mlpsurgery/layerwise.py).
 
-The same per-matrix math as the whole-model mode (pruning.py: `magnitude_matrix_`, `prune_linears_`), the same
-sequential calibration -- layer l's input moments measured on the outputs of the layers before it, already
-pruned -- but only one decoder layer is ever in memory: it is read from the safetensors files, its moments taken
-over the calibration activations that reach it, pruned, run once more to give the next layer its inputs, written
-into the output file, and dropped. The folder written is the one `prune` + `save` write (same tensors, masks,
-manifest, source fingerprint); tests/test_layerwise.py checks equality with the whole-model mode bit for bit.
+The same per-matrix math as the whole-model mode (magnitude.py's `magnitude_matrix_`, calibrated.py's
+`prune_linears_`), the same sequential calibration -- layer l's input moments measured on the outputs of the layers
+before it, already pruned -- but only one decoder layer is ever in memory: it is read from the safetensors files,
+its moments taken over the calibration activations that reach it, pruned, run once more to give the next layer its
+inputs, written into the output file, and dropped. The folder written is the one `prune` + `save` write (same
+tensors, masks, manifest, source fingerprint); tests/test_layerwise.py checks equality with the whole-model mode bit
+for bit.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..errors import MLPSurgeryError
-from ..io import MASKS, WEIGHTS, record, streamed_save
-from ..layerwise import LayerStream, SourceRecord
-from ..tensorfiles import SafetensorsWriter
-from ..modules.masks import SUFFIX, install_mask, mask_of
-from ..sites import find_sites, linear_weight
-from .pruning import (PARTS, _layer_counts, _layer_linears, _pattern_text, _sparsity_of, check_pattern, input_major,
-                      magnitude_matrix_, moment_hooks, parse_pattern, pattern_sparsity, prunable_weights,
-                      prune_linears_, report_from_counts)
+from ...errors import MLPSurgeryError
+from ...io import MASKS, WEIGHTS, record, streamed_save
+from ...layerwise import LayerStream, SourceRecord
+from ...tensorfiles import SafetensorsWriter
+from ...modules.masks import SUFFIX, install_mask, mask_of
+from ...sites import find_sites, linear_weight
+from .calibrated import _sparsity_of, moment_hooks, prune_linears_
+from .counts import _layer_counts, report_from_counts
+from .magnitude import magnitude_matrix_
+from .nm import _pattern_text, check_pattern, parse_pattern, pattern_sparsity
+from .weights import PARTS, _layer_linears, input_major, prunable_weights
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -40,7 +43,7 @@ def prune_layerwise(folder: str | Path, out: str | Path, method: str, sparsity: 
     device: where each layer is pruned (LayerStream; the CPU by default)."""
     if method not in METHODS:
         raise MLPSurgeryError(f"prune_layerwise prunes with {', '.join(METHODS)}, not {method!r} (Fisher blocks and "
-                              "random subnets change shapes: pruning_blocks_layerwise.block_prune_layerwise)")
+                              "random subnets change shapes: pruning.blocks_layerwise.block_prune_layerwise)")
     if parts not in PARTS:
         raise MLPSurgeryError(f"parts must be one of {', '.join(PARTS)}, not {parts!r}")
     if isinstance(pattern, str):

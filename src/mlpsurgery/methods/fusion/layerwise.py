@@ -1,7 +1,7 @@
-"""MLP Fusion and its data-free baselines layer by layer from the checkpoint's files (layerwise.py).
+"""MLP Fusion and its data-free baselines layer by layer from the checkpoint's files (mlpsurgery/layerwise.py).
 
-The per-layer work is fusion.py's own (`compress_site` and the error probes on seeded random rows), run in the
-same layer order with the same generators, so the folder holds what `fuse` + `save` write: the same tensors,
+The per-layer work is the whole-model mode's own (`compress_site` and the error probes on seeded random rows), run in
+the same layer order with the same generators, so the folder holds what `fuse` + `save` write: the same tensors,
 modules, history and source fingerprint (tests/test_layerwise_reshape.py checks them bit for bit). Only one
 decoder layer is in memory at a time (`layerwise.rewrite`): it is read from the safetensors files, compressed,
 appended to the output and dropped; a compressed MLP changes shape, so the output's header is written last.
@@ -38,16 +38,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import parallel
-from ..capture import layer_capture
-from ..errors import MLPSurgeryError
-from ..files import claim, model_fingerprint
-from ..io import record
-from ..layerwise import LayerStream, digest_chain, rewrite
-from ..measure.cost import count_params
-from ..sites import find_sites
-from .fusion import (FusionConfig, _ErrorProbes, compress_site, count_after, layers_and_width, split_share,
-                     tune_layers)
+from ... import parallel
+from ...capture import layer_capture
+from ...errors import MLPSurgeryError
+from ...files import claim, model_fingerprint
+from ...io import record
+from ...layerwise import LayerStream, digest_chain, rewrite
+from ...measure.cost import count_params
+from ...sites import find_sites
+from . import layers_and_width
+from .compress import compress_site
+from .config import FusionConfig
+from .probes import _ErrorProbes, count_after
+from .tuning import split_share, tune_layers
 
 CAPTURE_BATCH = 8  # blocks per forward, as capture_mlp_io runs them (the chunks are the same)
 

@@ -1,0 +1,142 @@
+"""MLP Fusion (Wei et al., ICML 2023): compress each chosen MLP from h to k inner neurons by clustering
+its neurons, keeping the cluster sizes P as a fixed scale so that the fine-tuning dynamics (Adam NTK)
+stay close to the original's; and the baselines the paper compares against, at the same width k (or
+the same number of MLP weights).
+
+An MLP is a sum of h one-neuron MLPs. Neuron i is the vector (paper's orientation, W1 (d, h), W2 (h, d)):
+
+    plain:  w_i = [W1[:, i], b1[i], W2[i, :]]
+    gated:  w_i = [W_gate[:, i], b_gate[i], W_up[:, i], b_up[i], W_down[i, :]]   (biases where present)
+
+(gated works because the gate acts elementwise: neuron i contributes act(x·g_i)(x·u_i) d_i). k-means on
+the h vectors gives a one-hot C (k, h); C̄ is C with rows normalised to sum 1, P = C Cᵀ (cluster sizes):
+
+    W~1 = W1 C̄ᵀ,  b~1 = C̄ b1,  W~2 = C̄ W2,    H~ = act(X W~1 + b~1) P W~2 + b2       (modules/fused.py)
+
+Methods (`FusionConfig.method`):
+    fusion     the above, P stand-alone (FusedMLP)
+    cluster    the same clusters with P^½ folded into both sides (W~1 P^½, P^½ b~1, P^½ W~2): the paper's
+               "Clustering" ablation. For gated MLPs the input side is the gate (the branch inside act),
+               as W1 is inside σ in the paper; for ReLU-like activations this gives ≈ the fused output.
+    svd        truncated SVD of every MLP projection, rank chosen so each keeps k/h of its weights
+    sketch     Gaussian sketching: W1 S, b1 S, Sᵀ W2 with S (h, k), entries N(0, 1/k)
+    mmd        k support vectors minimising the MMD (Gaussian kernels, median bandwidth) to the h
+               neuron vectors; output scaled by h/k (paper eq. 10: MMD matches means, not sums)
+    magnitude  unstructured magnitude pruning to k/h of the MLP weights (methods/pruning/magnitude.py)
+    neuron     keep the k most important neurons (importance = ||W_down[:, i]|| times the input norms of
+               neuron i, or its mean |activation| on tune text times ||W_down[:, i]||)
+    random     keep k neurons drawn at random (seeded)
+
+Optional layer-wise task-specific tuning (paper §4.4): capture each chosen layer's MLP input and output in
+the original model on task text, then minimise the sum over layers of MSE(compressed output, original
+output) for one epoch (by default), updating only the compressed MLPs' weights (P stays fixed).
+
+Files: config.py (FusionConfig), kmeans.py, neurons.py (neurons as vectors), compress.py (one site, one method),
+probes.py (the output error of a compressed MLP), tuning.py (the layer-wise tuning, split by layer under torchrun),
+layerwise.py (all of it one decoder layer at a time from the checkpoint's files); `fuse` below drives the whole model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ...capture import capture_mlp_io
+from ...errors import MLPSurgeryError
+from ...io import record
+from ...sites import find_sites, parse_layers
+from ..pruning import magnitude_prune
+from .compress import _mmd_support, compress_site
+from .config import DEFAULT_LAYERS, METHODS, FusionConfig
+from .kmeans import KMeansResult, kmeans
+from .neurons import cluster_means, neuron_vectors, weights_from_neurons
+from .probes import _ErrorProbes, count_after
+from .tuning import _gather_layers, site_params, split_share, tune_layers
+
+__all__ = ["DEFAULT_LAYERS", "METHODS", "FusionConfig", "KMeansResult", "_mmd_support", "cluster_means",
+           "compress_site", "count_after", "fuse", "kmeans", "layers_and_width", "neuron_vectors", "site_params",
+           "split_share", "tune_layers", "weights_from_neurons"]
+
+
+def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
+    """The layers cfg chooses and the width k they are compressed to (default a quarter of the narrowest);
+    refuses a choice of no layer and a width outside 1..h."""
+    layers = parse_layers(cfg.layers, len(sites), DEFAULT_LAYERS)
+    if not layers:
+        raise MLPSurgeryError(f"layer selection {cfg.layers!r} chose no layer of this {len(sites)}-layer model")
+    for i in layers:  # a replaced MLP is compressed from its dense form (fused, nested at its rank); else refused
+        if sites.mlp[i].replaced:
+            sites.mlp[i].read()
+    hs = {sites.mlp[i].h for i in layers}
+    k = cfg.width if cfg.width is not None else min(hs) // 4
+    bad = sorted(h for h in hs if not 1 <= k <= h)
+    if bad:
+        raise MLPSurgeryError(f"width {k} is not between 1 and the MLP inner width {bad[0]}; choose a smaller --width")
+    return layers, k
+
+
+def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor | None = None,
+         progress: bool = True, checkpoint_dir=None) -> dict:
+    """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
+    `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
+    model's history (saved by mlpsurgery.save).
+
+    Under torchrun (N ranks, every one holding the same model and data) the layer-wise tuning is split by layer,
+    as DLR-Lock's phase 1 is: rank r captures and tunes layers r, r+N, ... of the chosen ones (the captured
+    activations, gradients and AdamW moments of its layers only: the tuning's memory), every rank compresses
+    every layer as one process does (the same arithmetic, the same random draws), and rank 0 gathers the tuned
+    layers and the report; the model on the other ranks is left with only their own layers tuned."""
+    from ... import parallel
+    from ...files import model_fingerprint
+
+    cfg = config or FusionConfig()
+    cfg.validate()
+    sites = find_sites(model)
+    layers, k = layers_and_width(sites, cfg)
+    if cfg.importance == "activation" and cfg.method == "neuron" and tune_data is None:
+        raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
+    rank, world = parallel.world()
+    own = split_share(layers, tune_data is not None)
+    digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
+    if world > 1:
+        parallel.same_on_every_rank("models, data or settings",
+                                    {"model": model_fingerprint(model), "data": digest, "fusion": asdict(cfg)})
+    capture = None
+    if tune_data is not None:  # neurons scored by their activations: every layer's inputs, until compressed
+        scored = cfg.importance == "activation" and cfg.method == "neuron"
+        capture = capture_mlp_io(model, tune_data, layers=layers if scored else own, progress=progress)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    probes = _ErrorProbes(sites, layers, capture, cfg.seed)
+    rows = []
+    for i in tqdm(layers, desc=f"{cfg.method}", unit="layer", disable=not progress):
+        x = capture.layer(i)[0] if capture is not None and cfg.importance == "activation" else None
+        probes.before(i)
+        # k-means restarts get their own bar under the layers' bar (seconds each on a real model)
+        rows.append(compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress))
+        if cfg.method == "magnitude":
+            rows[-1]["pruning"] = magnitude_prune(model, 1.0 - k / rows[-1]["h"], parts="ffn", layers=[i])
+        if i in own:
+            rows[-1]["error_rel"] = probes.error(i)
+    for r in rows:
+        count_after(sites.mlp[r["layer"]], r)
+    report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
+              "error_inputs": probes.description}
+    if capture is not None:
+        capture.keep(own)
+        report["tuning"] = tune_layers(model, capture, own, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
+                                       settings={"data": digest, "data_shape": list(tune_data.shape)},
+                                       partition=layers if world > 1 else None)
+        for r in rows:
+            if r["layer"] in own:
+                r["error_rel_tuned"] = probes.error(r["layer"])
+    if world > 1:
+        _gather_layers(sites, rows, own)
+        report["world_size"] = world
+    record(model, "fusion", asdict(cfg), width=k, layers=layers,
+           tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)
+    return report
+

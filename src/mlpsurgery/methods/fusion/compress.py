@@ -1,0 +1,141 @@
+"""One site, one method: an MLP compressed to width k by fusion or one of its baselines (the module docstring of
+the package lists them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import MLPSurgeryError
+from ...modules.dense import DenseMLP
+from ...modules.fused import FusedMLP, TruncatedSVDLinear
+from ...sites import MLPSite, MLPWeights, linear_weight
+from .config import FusionConfig
+from .kmeans import _sq_dist, kmeans
+from .neurons import cluster_means, neuron_vectors, weights_from_neurons
+
+
+def _mlp_input(site: MLPSite, x: Tensor) -> Tensor:
+    """What the MLP itself sees, from the residual stream x entering its sub-block (the pre-norm applied)."""
+    return site.pre_norm(x) if site.pre_norm is not None else x
+
+
+def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float, gen: torch.Generator) -> tuple[Tensor, float]:
+    """k support vectors minimising MMD² to the empirical distribution of `vectors` (h, dim), with a sum of
+    Gaussian kernels at 0.5, 1 and 2 times the median squared distance. Initialised at k random neurons."""
+    x = vectors.float()
+    x_sq = x.pow(2).sum(1)
+    sub = x[torch.randperm(len(x), generator=gen)[:min(len(x), 1024)].to(x.device)]
+    med = float(_sq_dist(sub, sub.pow(2).sum(1), sub).median().clamp_min(1e-12))
+    gammas = [1.0 / (s * med) for s in (0.5, 1.0, 2.0)]
+
+    def kern(a: Tensor, a_sq: Tensor, b: Tensor) -> Tensor:
+        d = _sq_dist(a, a_sq, b)
+        return sum(torch.exp(-g * d) for g in gammas)
+
+    k_xx = float(kern(x, x_sq, x).mean())
+    y = nn.Parameter(x[torch.randperm(len(x), generator=gen)[:k].to(x.device)].clone())
+    scale = float(x.std())
+    opt = torch.optim.Adam([y], lr=lr * scale)
+    mmd = float("nan")
+    for step in range(steps + 1):
+        y_sq = y.pow(2).sum(1)
+        loss = k_xx + kern(y, y_sq, y).mean() - 2 * kern(x, x_sq, y).mean()
+        mmd = float(loss.detach())
+        if step == steps:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return y.detach(), mmd
+
+
+def _importance(w: MLPWeights, x: Tensor | None) -> Tensor:
+    """(h,) neuron scores: mean |activation| on x (MLP inputs) or, without data, the product of the
+    neuron's input-weight norms; times the norm of its output weights in both cases."""
+    out_norm = w.down.float().norm(dim=0)
+    if x is not None:
+        acts = torch.cat([w.inner(x[s:s + 4096].to(w.up)).abs().float().sum(0, keepdim=True)
+                          for s in range(0, len(x), 4096)]).sum(0) / len(x)
+        return acts * out_norm
+    score = torch.cat([w.up, w.up_bias[:, None]], 1).float().norm(dim=1) if w.up_bias is not None \
+        else w.up.float().norm(dim=1)
+    if w.gated:
+        score = score * w.gate.float().norm(dim=1)
+    return score * out_norm
+
+
+def _svd_(site: MLPSite, k: int, h: int) -> list[dict]:
+    """Replace each MLP projection by its truncated SVD keeping k/h of its weights."""
+    if site.replaced:
+        raise MLPSurgeryError(f"layer {site.index}: the svd baseline factorises the stock projections, and this MLP was "
+                              f"replaced by {type(site.module).__name__}; apply svd first")
+    ranks = []
+    for role, mod in site.linears().items():
+        weight, bias = linear_weight(mod)
+        out_f, in_f = weight.shape
+        rank = max(1, (out_f * in_f * k // h) // (out_f + in_f))
+        site.replace_linear(role, TruncatedSVDLinear.from_weight(weight, bias, rank, dense_class=type(mod).__name__))
+        ranks.append({"projection": role, "shape": [out_f, in_f], "rank": rank})
+    return ranks
+
+
+def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator,
+                  x: Tensor | None = None, progress: bool = False) -> dict:
+    """Compress one MLP with cfg.method to width k (in place, through the site). x: captured MLP inputs
+    (only for importance='activation'). Returns what was done (for the report)."""
+    w = site.read()
+    h = w.h
+    if not 1 <= k <= h:
+        raise MLPSurgeryError(f"layer {site.index}: width must be between 1 and the MLP's inner width {h}, got {k}")
+    info: dict = {"layer": site.index, "h": h, "width": k, "params_before": w.num_params()}
+    device = torch.device(cfg.device) if cfg.device else w.up.device
+    method = cfg.method
+    if method in ("fusion", "cluster"):
+        vec = neuron_vectors(w).float()
+        km = kmeans(vec, k, n_init=cfg.n_init, max_iter=cfg.max_iter, tol=cfg.tol,
+                    seed=int(torch.randint(2**31 - 1, (1,), generator=gen)), device=device, progress=progress)
+        centroids, P = cluster_means(vec.to(km.labels.device), km.labels, k)
+        fused = weights_from_neurons(centroids.to(w.up.device), w)
+        info.update(inertia=km.inertia, kmeans_iterations=km.n_iter,
+                    cluster_sizes={"min": int(P.min()), "max": int(P.max()), "singletons": int((P == 1).sum())})
+        if method == "fusion":
+            module = FusedMLP.from_centroids(fused, P)
+        else:
+            root = P.sqrt().to(w.up)
+            side = "gate" if w.gated else "up"
+            fused = dataclasses.replace(fused, **{side: getattr(fused, side) * root[:, None],
+                                                  f"{side}_bias": None if getattr(fused, f"{side}_bias") is None
+                                                  else getattr(fused, f"{side}_bias") * root,
+                                                  "down": fused.down * root[None, :]})
+            module = DenseMLP.from_weights(fused)
+    elif method == "sketch":
+        S = torch.randn(h, k, generator=gen, dtype=torch.float64) / math.sqrt(k)  # (h, k)
+        rows = S.T.to(device) @ neuron_vectors(w).double().to(device)  # Sᵀ W: (k, dim)
+        module = DenseMLP.from_weights(weights_from_neurons(rows.to(w.up.device), w))
+    elif method == "mmd":
+        rows, mmd = _mmd_support(neuron_vectors(w).to(device), k, cfg.mmd_steps, cfg.mmd_lr, gen)
+        sw = weights_from_neurons(rows.to(w.up.device), w)
+        module = DenseMLP.from_weights(dataclasses.replace(sw, down=sw.down * (h / k)))
+        info["mmd2"] = mmd
+    elif method in ("neuron", "random"):
+        if method == "neuron":
+            xin = None if x is None else _mlp_input(site, x.to(w.up))
+            keep = _importance(w, xin).argsort(descending=True)[:k].sort().values
+        else:
+            keep = torch.randperm(h, generator=gen)[:k].sort().values
+        module = DenseMLP.from_weights(w.select(keep))
+        info["kept_neurons"] = keep.tolist() if k <= 64 else f"{k} of {h}"
+    elif method == "svd":
+        info["ranks"] = _svd_(site, k, h)
+        module = None
+    else:  # magnitude: fuse() zeroes the smallest weights in place (methods/pruning/magnitude.py); the shape stays
+        module = None
+    if module is not None:
+        module.to(device=w.up.device, dtype=w.up.dtype)
+        site.replace_mlp(module)
+    return info
+

@@ -1,0 +1,127 @@
+"""Layer-wise task-specific tuning (paper §4.4) of the compressed MLPs on the original's captured inputs and outputs,
+split by layer under torchrun."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+import torch
+from torch import Tensor, nn
+
+from ...errors import MLPSurgeryError
+from ...sites import find_sites
+from ...train import FitConfig, fit, step_rng
+from .config import FusionConfig
+
+
+def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
+    """name -> parameter of the MLPs at `layers` (whatever module now computes them)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    sites = find_sites(model)
+    return {names[id(p)]: p for i in layers for p in sites.mlp[i].parameters()}
+
+
+def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig, progress: bool = True,
+                checkpoint_dir=None, settings: dict | None = None, partition: list[int] | None = None) -> dict:
+    """Layer-wise task-specific tuning: minimise sum over layers of MSE(compressed MLP sub-block output,
+    original output) on the captured original inputs, training only the compressed MLPs' weights. A checkpoint
+    made from another model, other layers, settings or data (`settings`: its digest) is refused.
+
+    partition (under torchrun): every rank's layers, in order; this rank tunes `layers`, its share, on its own
+    captured rows. Each layer's term of the loss depends on its own MLP alone, so the ranks' sum is one process's
+    loss and gradient (mlpsurgery.train.fit, partition); the MSEs reported are the sums over the ranks."""
+    from ... import parallel
+    from ...files import model_fingerprint
+
+    sites = find_sites(model)
+    capture.consolidate()  # its rows once in memory, not once in chunks and once joined
+    data = {i: capture.layer(i) for i in layers}
+    n = len(next(iter(data.values()))[0])
+    batch = min(cfg.tune_batch, n)
+    steps = cfg.tune_steps if cfg.tune_steps is not None else math.ceil(n / batch)
+    perm = torch.randperm(n, generator=step_rng(cfg.seed, 0, stream=7))
+    device = next(model.parameters()).device
+    params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
+    every = site_params(model, partition) if partition is not None else params
+    frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
+    for p in frozen:
+        p.requires_grad_(False)
+
+    def layer_mse(idx: Tensor) -> Tensor:
+        total = 0
+        for i in layers:
+            x, y = data[i]
+            xb, yb = x[idx].to(device), y[idx].to(device)
+            total = total + (sites.mlp[i].subblock(xb) - (yb - xb)).float().pow(2).mean()
+        return total
+
+    def loss_fn(step: int) -> Tensor:
+        # one epoch = one pass over a fixed permutation; later epochs draw from step_rng(seed, step)
+        start = (step * batch) % n
+        idx = perm[start:start + batch] if start + batch <= n else \
+            torch.randint(0, n, (batch,), generator=step_rng(cfg.seed, step))
+        return layer_mse(idx)
+
+    def total_mse(idx: Tensor) -> float:
+        with torch.no_grad():
+            mse = layer_mse(idx).detach().double().reshape(1)
+        return float(parallel.sum_over_ranks(mse) if partition is not None else mse)
+
+    probe = perm[:min(n, 4096)]
+    before = total_mse(probe)
+    was = model.training
+    model.train()
+    try:
+        identity = None if checkpoint_dir is None else {
+            "model": model_fingerprint(model, skip=every), "layers": partition or layers, "fusion": asdict(cfg),
+            **(settings or {})}
+        res = fit(params, loss_fn, FitConfig(steps=steps, lr=cfg.tune_lr, seed=cfg.seed, log_every=10),
+                  checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity,
+                  partition=None if partition is None else list(every))
+    finally:
+        model.train(was)
+        for p in frozen:
+            p.requires_grad_(True)
+    after = total_mse(probe)
+    captured = sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
+    return {"steps": steps, "tokens": n, "batch_rows": batch, "mse_before": before, "mse_after": after,
+            "seconds": res.seconds, "memory": {**res.memory, "captured_bytes": captured}}
+
+
+def _gather_layers(sites, rows: list[dict], own: list[int]) -> None:
+    """Under torchrun: rank 0 takes every other rank's tuned layers (their modules' full state, in place of its own
+    untuned copies) and their error measurements into `rows`."""
+    from ... import parallel
+
+    mine = {i: ([{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in sites.mlp[i].modules()],
+                {k: r[k] for k in ("error_rel", "error_rel_tuned") if k in r})
+            for r in rows if (i := r["layer"]) in own}
+    got = parallel.gather_to_rank0(mine)
+    if got is None:
+        return
+    by_layer = {r["layer"]: r for r in rows}
+    with torch.no_grad():
+        for part in got[1:]:
+            for i, (states, errors) in part.items():
+                for m, state in zip(sites.mlp[i].modules(), states):
+                    m.load_state_dict(state)
+                by_layer[i].update(errors)
+
+
+def split_share(layers: list[int], tuned: bool) -> list[int]:
+    """This rank's share of the compressed `layers` for the layer-wise tuning under torchrun (rank r: layers r, r+N,
+    ...; all of them in one process), after refusing a split that cannot be made: no tune data (nothing to split),
+    more ranks than layers. `fuse` and `fuse_layerwise` split alike."""
+    from ... import parallel
+
+    world = parallel.world()[1]
+    if world > 1:
+        if not tuned:
+            raise MLPSurgeryError("under torchrun `fuse` splits its layer-wise tuning over the ranks by layer: give "
+                                  "--tune-data, or run it as one process")
+        if len(layers) < world:
+            raise MLPSurgeryError(f"{world} ranks for {len(layers)} compressed layers: start at most {len(layers)} "
+                                  "processes (torchrun --nproc-per-node)")
+    return parallel.share(layers)
+
