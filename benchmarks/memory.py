@@ -185,6 +185,17 @@ def commands(model: str, dtype: str, work: Path, width: int = 768, fuse_method: 
     ]
 
 
+def free_outputs(work: Path, done: list[tuple[str, list[str]]], later: list[tuple[str, list[str]]]) -> None:
+    """Remove what the commands run so far wrote (their --out folders and --key files) that no later command reads:
+    on the 2 B model in float32 each output is about 8 GB, and all of them together would fill a 64 GB disk."""
+    wanted = {a for _, argv in later for a in argv}
+    for _, argv in done:
+        for flag, value in zip(argv, argv[1:]):
+            path = Path(value)
+            if flag in ("--out", "--key") and value not in wanted and work in path.parents and path.exists():
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
 def render(result: dict) -> str:
     """The markdown table of a result (also from a saved JSON: --render)."""
     base, base_anon = result["baseline_rss_bytes"], result["baseline_anon_bytes"]
@@ -254,14 +265,13 @@ def main() -> None:
                      "python": platform.python_version()})
         for dtype in args.dtypes.split(","):
             weights = n_params * (4 if dtype == "float32" else 2)
-            for label, argv in commands(model, dtype, work, width, fuse_method):
-                if args.only and label.split()[0] not in args.only.split(","):
-                    continue
-                if args.match and not any(m in label for m in args.match.split(",")):
-                    continue
-                if args.skip and any(m in label for m in args.skip.split(",")):
-                    continue
+            chosen = [(label, argv) for label, argv in commands(model, dtype, work, width, fuse_method)
+                      if not (args.only and label.split()[0] not in args.only.split(","))
+                      and not (args.match and not any(m in label for m in args.match.split(",")))
+                      and not (args.skip and any(m in label for m in args.skip.split(",")))]
+            for j, (label, argv) in enumerate(chosen):
                 rss, secs, rc, at, anon = peak_rss(EXE + argv, env)
+                free_outputs(work, chosen[:j + 1], chosen[j + 1:])
                 row = {"command": label, "dtype": dtype, "peak_rss_bytes": rss, "seconds": round(secs, 1),
                        "exit_status": rc, "peak_during": at, "peak_anon_bytes": anon,
                        "anon_excess_over_weights": round((anon - base_anon) / weights, 2),
