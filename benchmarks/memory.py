@@ -260,9 +260,9 @@ def main() -> None:
         n_params = info["params"]["total"]
         width = info["mlp_inner_width"] // 2 if args.synthetic else 768
         base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
-        head.update({"model": shown, "parameters": n_params, "baseline_rss_bytes": base, "baseline_anon_bytes": base_anon,
-                     "machine": f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}",
-                     "python": platform.python_version()})
+        machine = f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}"
+        head.update({"model": shown, "parameters": n_params, "baseline_rss_bytes": base,
+                     "baseline_anon_bytes": base_anon, "machine": machine, "python": platform.python_version()})
         for dtype in args.dtypes.split(","):
             weights = n_params * (4 if dtype == "float32" else 2)
             chosen = [(label, argv) for label, argv in commands(model, dtype, work, width, fuse_method)
