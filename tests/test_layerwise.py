@@ -78,6 +78,31 @@ def test_layerwise_reads_shards_in_bfloat16_and_only_some_layers(tmp_path, arch,
     assert lw["per_layer"] == whole["per_layer"] and lw["dtype"] == "bfloat16"
 
 
+def test_activations_past_max_memory_go_to_disk_from_the_first_batch_on(tmp_path):
+    """The first layer's inputs are not gathered in RAM and then spilled: the set's size is known from the first
+    batch, so each batch goes to its file as it is recorded (RAM holds one batch, not the set, even briefly)."""
+    src = saved_checkpoint(tmp_path, "llama")
+    data = _blocks(n=8, t=32)
+    cap = None
+    for disk in (False, True):
+        stream = LayerStream(src, spill_dir=tmp_path / "spill")
+        if disk:
+            cap = (stream.resident_bytes + 2 * max(stream.layer_bytes) + 1) / 2**30
+            stream = LayerStream(src, spill_dir=tmp_path / "spill", max_memory_gb=cap)
+        seen, stored = [], []
+        stream.model.get_input_embeddings().register_forward_hook(lambda *a: seen.append(1))
+        real = stream._store
+        stream._store = lambda t, d, tag: (stored.append((tag, d, len(seen))), real(t, d, tag))[1]
+        acts = stream.layer_inputs(data, batch_size=2)
+        assert stream.disk == disk and len(acts.hidden) == 4
+        # batch b stored while batch b ran (not after the last one), in a file when past the cap
+        assert stored == [(f"in-{b}", disk, b + 1) for b in range(4)]
+        if disk:
+            assert sorted(p.name for p in (tmp_path / "spill").iterdir()) == [f"in-{b}.bin" for b in range(4)]
+            ram = LayerStream(src).layer_inputs(data, batch_size=2)
+            assert all(torch.equal(a, b) for a, b in zip(acts.hidden, ram.hidden))
+
+
 def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_path):
     src = saved_checkpoint(tmp_path, "llama")
     data = _blocks(n=8, t=32)
@@ -296,6 +321,22 @@ def test_cli_eval_ppl_layerwise_equals_the_whole_model_command(tmp_path, capsys)
     assert main([*common, "--layerwise"]) == 0
     lw = json.loads(capsys.readouterr().out)
     assert lw["layerwise"] and lw["ppl"] == whole["ppl"] and lw["tokens"] == whole["tokens"] == 300
+    # --max-memory just above one layer and the embeddings: the windows' hidden states go to a temporary folder
+    # (removed after), the same perplexity
+    import tempfile
+
+    stream = LayerStream(src)
+    cap = repr((stream.resident_bytes + 2 * max(stream.layer_bytes) + 1) / 2**30)
+    (tmp_path / "tmp").mkdir()
+    old_tmp, tempfile.tempdir = tempfile.tempdir, str(tmp_path / "tmp")
+    try:
+        assert main([*common, "--layerwise", "--max-memory", cap]) == 0
+    finally:
+        tempfile.tempdir = old_tmp
+    disk = json.loads(capsys.readouterr().out)
+    assert disk["activations_on_disk"] and not lw["activations_on_disk"] and disk["ppl"] == whole["ppl"]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert main([*common, "--max-memory", "1"]) == 2  # caps only the layer-by-layer mode
     # refused, exit 2: a model without files, an encoder, a GPU
     bert = saved_checkpoint(tmp_path, "bert")
     byte_tokenizer().save_pretrained(bert)
@@ -304,6 +345,7 @@ def test_cli_eval_ppl_layerwise_equals_the_whole_model_command(tmp_path, capsys)
     assert main([*common, "--layerwise", "--device", "cuda:99"]) == 2  # no such GPU here (nor on a 1-GPU machine)
     err = capsys.readouterr().err
     assert "no weight files" in err and "causal language model" in err and "CUDA device" in err
+    assert "add --layerwise" in err
 
 
 def test_cli_layerwise_commands_refuse_a_device_they_do_not_work_on(tmp_path, capsys):

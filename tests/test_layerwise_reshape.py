@@ -166,6 +166,23 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     a, b = file_tensors(tmp_path / "whole-t"), file_tensors(tmp_path / "lw-t")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "lw-t.work").exists()
+    # --max-memory just above one layer, the embeddings and a layer's captured pairs: the tune stream goes to files
+    # in the work folder from the first batch on, and the folder is the same
+    from mlpsurgery.layerwise import LayerStream
+
+    stream = LayerStream(src)
+    pairs = 2 * 8 * 32 * stream.model.config.hidden_size * 4  # one layer's captured pairs (fusion/layerwise.py)
+    cap = repr((stream.resident_bytes + 2 * max(stream.layer_bytes) + pairs + 1) / 2**30)
+    assert main([*tuned, "--layerwise", "--max-memory", cap, "--out", str(tmp_path / "lw-disk")]) == 0
+    disk = json.loads(capsys.readouterr().out)
+    assert disk["activations_on_disk"] and not lw["activations_on_disk"] and disk["sites"] == lw["sites"]
+    a = file_tensors(tmp_path / "lw-disk")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "lw-disk.work").exists()
+    # --max-memory where it caps nothing is refused: the whole model, layer by layer without tune data
+    assert main([*tuned, "--max-memory", "1", "--out", str(tmp_path / "x5")]) == 2
+    assert main([*common, "--layerwise", "--max-memory", "1", "--out", str(tmp_path / "x6")]) == 2
+    assert "add --layerwise" in capsys.readouterr().err
     # refused, exit 2, nothing written: a block length past the context, the magnitude baseline, a model without
     # files, a work folder holding the user's files
     assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen", "--block-len", "100000",
@@ -177,7 +194,7 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     (tmp_path / "x4.work" / "notes.txt").write_text("mine")
     assert main(["fuse", str(src), "--width", "8", "--layerwise", "--tune-data", "austen",
                  "--out", str(tmp_path / "x4")]) == 2
-    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x1.work"))
+    assert not any((tmp_path / x).exists() for x in ("x1", "x2", "x3", "x4", "x5", "x6", "x1.work", "x6.work"))
     assert [p.name for p in (tmp_path / "x4.work").iterdir()] == ["notes.txt"]
     err = capsys.readouterr().err
     assert "exceeds the model's context" in err and "did not write" in err

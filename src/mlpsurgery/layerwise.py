@@ -338,13 +338,19 @@ class LayerStream:
         calls: list[list] = [[] for _ in range(self.n_layers)]
         hidden: list[Tensor] = []
         last = self.n_layers - 1
+        batches = data if isinstance(data, list) else [data[b:b + batch_size] for b in range(0, len(data), batch_size)]
+        tokens = sum(x.numel() for x in batches)
 
         def recorder(j, *args, **kwargs):
             h = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
             args = args[1:] if args and args[0] is h else args
             calls[j].append((args, kwargs))
             if j == 0:
-                hidden.append(self.host(h.detach()))
+                kept = self.host(h.detach())
+                if not hidden:  # the whole set's size from the first batch's: on disk from the first batch on, if
+                    # it must be (holding the set in RAM first would pass the cap before the check)
+                    self.disk = self.check_memory(tokens * kept.shape[-1] * kept.element_size(), extra_bytes, sets)
+                hidden.append(self._store(kept, self.disk, f"in-{len(hidden)}"))
             if j == last:
                 raise _StopRecording
             return h
@@ -353,8 +359,6 @@ class LayerStream:
             layer.forward = functools.partial(recorder, j)
         kw = self.call_kwargs()
         try:
-            batches = data if isinstance(data, list) else \
-                [data[b:b + batch_size] for b in range(0, len(data), batch_size)]
             with torch.no_grad():
                 for x in batches:
                     try:
@@ -364,9 +368,6 @@ class LayerStream:
         finally:
             for layer in self.layers:
                 del layer.forward
-        act_bytes = sum(h.numel() * h.element_size() for h in hidden)
-        self.disk = self.check_memory(act_bytes, extra_bytes, sets)
-        hidden = [self._store(h, self.disk, f"in-{b}") for b, h in enumerate(hidden)]
         return Activations(hidden, calls)
 
     def run(self, i: int, acts: Activations, keep: bool = True, tag: str = "",

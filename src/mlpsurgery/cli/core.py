@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_cost, table
-from . import check_plot_path, command, device_of, draw, integer, layer_device, model_name, progress, stage
+from . import check_plot_path, command, device_of, draw, integer, layer_device, model_name, number, progress, stage
 
 MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
 
@@ -61,13 +62,21 @@ def run_ppl(args) -> dict:
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity, perplexity_layerwise
     from ..models import check_context
 
+    if args.max_memory is not None and not args.layerwise:
+        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
     if args.layerwise:  # the checkpoint read one decoder layer at a time (layerwise.LayerStream.outputs)
+        import tempfile
+
         from ..layerwise import LayerStream
         from ..models import _tokenizer, checkpoint_folder, working_dtype
 
         folder, source, _ = checkpoint_folder(args.model)
         stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-        stream = LayerStream(folder, dtype=working_dtype(), device=layer_device(args))
+        spill = None
+        if args.max_memory is not None:  # the windows' hidden states past the cap: in a temporary folder ($TMPDIR)
+            spill = tempfile.TemporaryDirectory(prefix="mlpsurgery-ppl-")
+        stream = LayerStream(folder, dtype=working_dtype(), device=layer_device(args), max_memory_gb=args.max_memory,
+                             spill_dir=None if spill is None else Path(spill.name))
         model, tok = stream.model, _tokenizer(folder)
         if tok is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer, which the text needs; add its tokenizer files")
@@ -93,15 +102,20 @@ def run_ppl(args) -> dict:
     corpus = load_corpus(args.data, tok)
     t0 = time.perf_counter()
     measure = perplexity_layerwise if args.layerwise else perplexity
-    res = measure(stream if args.layerwise else model, corpus.sequences(args.split), block_len=block,
-                  stride=args.stride, batch_size=args.batch_size, max_tokens=args.max_tokens, progress=progress(args),
-                  bos_id=bos)
+    try:
+        res = measure(stream if args.layerwise else model, corpus.sequences(args.split), block_len=block,
+                      stride=args.stride, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                      progress=progress(args), bos_id=bos)
+    finally:
+        if args.layerwise and spill is not None:
+            spill.cleanup()
     out = res.as_dict()
     out.update(model=source, data=corpus.source, split=args.split, split_rule=corpus.split,
                documents=corpus.heldout_names if args.split == "heldout" else corpus.train_names,
                seconds=time.perf_counter() - t0, layerwise=args.layerwise, peak_rss_bytes=peak_rss())
     if args.layerwise:
         out["device"] = str(stream.device)
+        out["activations_on_disk"] = stream.disk
     return out
 
 
@@ -263,6 +277,10 @@ def register(sub, groups) -> None:
                    help="read the checkpoint's safetensors files one decoder layer at a time, each run on --device: "
                         "memory of one layer plus the embeddings, head and the windows' hidden states (in host "
                         "memory); the same perplexity")
+    p.add_argument("--max-memory", type=number(0), metavar="GB",
+                   help="with --layerwise: keep the windows' hidden states in a temporary folder ($TMPDIR, removed "
+                        "after) when they and one layer would pass this many GiB (refused if one layer alone does "
+                        "not fit)")
 
     p = command(groups["eval"], "cost", run_cost, render_cost,
                 "wall time and peak memory of inference and of one training step; ratios against a baseline")

@@ -30,6 +30,8 @@ def run_fuse(args) -> dict:
     from ..io import check_out
     from ..models import check_context
 
+    if args.max_memory is not None and not args.layerwise:
+        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
     inputs = [args.model, args.tune_data]
     # torchrun: the layer-wise tuning split by layer over the ranks (whole model, or layer by layer)
     device, rank, world = join_ranks(args)
@@ -90,6 +92,9 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
     check_layerwise(cfg, tune=bool(args.tune_data))
+    if args.max_memory is not None and not args.tune_data:
+        raise MLPSurgeryError("--max-memory caps the tune data's hidden states, which only --tune-data has (without "
+                              "it the layer-by-layer mode holds one layer and the embeddings): drop --max-memory")
     if args.task != "auto" or args.checkpoint_dir:
         raise MLPSurgeryError("--layerwise compresses the checkpoint's own class and tunes each layer in one go (no "
                               "tuning checkpoints): drop --task and --checkpoint-dir, or drop --layerwise")
@@ -107,7 +112,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
                            seed=args.seed)
     report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok, overwrite=args.overwrite,
                             inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
-                            workdir=work if tune is not None else None,
+                            workdir=work if tune is not None else None, max_memory_gb=args.max_memory,
                             check=lambda m: check_context(m, args.block_len) if tune is not None else None,
                             device=device)
     parallel.barrier()  # (every rank done with its captures before rank 0 removes the work folder)
@@ -250,6 +255,10 @@ def register(sub, groups) -> None:
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
                    "embeddings), each worked on --device; the same folder as without it. With --tune-data each layer is "
                    "tuned as it is read (its pairs captured into OUT.work, removed after)")
+    p.add_argument("--max-memory", type=number(0), metavar="GB",
+                   help="with --layerwise --tune-data: keep the tune data's hidden states on disk (in OUT.work) when "
+                        "they, one layer and its captured pairs would pass this many GiB (refused if one layer alone "
+                        "does not fit)")
     p.add_argument("--overwrite", action="store_true")
 
     p = command(groups["eval"], "ntk", run_ntk, render_ntk,
