@@ -83,7 +83,6 @@ def test_activations_past_max_memory_go_to_disk_from_the_first_batch_on(tmp_path
     batch, so each batch goes to its file as it is recorded (RAM holds one batch, not the set, even briefly)."""
     src = saved_checkpoint(tmp_path, "llama")
     data = _blocks(n=8, t=32)
-    cap = None
     for disk in (False, True):
         stream = LayerStream(src, spill_dir=tmp_path / "spill")
         if disk:

@@ -65,18 +65,12 @@ def run_ppl(args) -> dict:
     if args.max_memory is not None and not args.layerwise:
         raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
     if args.layerwise:  # the checkpoint read one decoder layer at a time (layerwise.LayerStream.outputs)
-        import tempfile
-
         from ..layerwise import LayerStream
         from ..models import _tokenizer, checkpoint_folder, working_dtype
 
         folder, source, _ = checkpoint_folder(args.model)
         stage(args, f"reading the parts of {model_name(args.model)} outside its layers")
-        spill = None
-        if args.max_memory is not None:  # the windows' hidden states past the cap: in a temporary folder ($TMPDIR)
-            spill = tempfile.TemporaryDirectory(prefix="mlpsurgery-ppl-")
-        stream = LayerStream(folder, dtype=working_dtype(), device=layer_device(args), max_memory_gb=args.max_memory,
-                             spill_dir=None if spill is None else Path(spill.name))
+        stream = LayerStream(folder, dtype=working_dtype(), device=layer_device(args), max_memory_gb=args.max_memory)
         model, tok = stream.model, _tokenizer(folder)
         if tok is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer, which the text needs; add its tokenizer files")
@@ -102,12 +96,18 @@ def run_ppl(args) -> dict:
     corpus = load_corpus(args.data, tok)
     t0 = time.perf_counter()
     measure = perplexity_layerwise if args.layerwise else perplexity
+    spill = None
+    if args.layerwise and args.max_memory is not None:  # the windows' hidden states past the cap: in a temporary
+        import tempfile                                 # folder under $TMPDIR, made only now (nothing left behind)
+
+        spill = tempfile.TemporaryDirectory(prefix="mlpsurgery-ppl-")
+        stream.spill_dir = Path(spill.name)
     try:
         res = measure(stream if args.layerwise else model, corpus.sequences(args.split), block_len=block,
                       stride=args.stride, batch_size=args.batch_size, max_tokens=args.max_tokens,
                       progress=progress(args), bos_id=bos)
     finally:
-        if args.layerwise and spill is not None:
+        if spill is not None:
             spill.cleanup()
     out = res.as_dict()
     out.update(model=source, data=corpus.source, split=args.split, split_rule=corpus.split,
