@@ -267,7 +267,7 @@ def lock_layerwise(stream: LayerStream, out: str | Path, cfg: DLRConfig, blocks:
                     nets, rep = phase1(model, blocks, one(i), wd, progress=progress, device=stream.device,
                                        captured=cap, onpolicy_captured=oncap)
                 reports[i] = rep
-                net = nets[i].to(dtype=stream.dtype)
+                net = nets[i].to(device=stream.device, dtype=stream.dtype)  # (unstack gives a CPU copy)
                 _keep(wd, key, net, rep)  # the layer's captures and checkpoints go: only its net and report stay
         if split:  # every rank installs every net: the on-policy stream runs through it, and rank 0 writes it
             state = parallel.from_rank({k: v.detach().cpu() for k, v in net.state_dict().items()} if own else None,
