@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One lent GPU session's checks for issue 16, in priority order, each under its own time limit, so that a short
-# lease still brings back what finished: the CUDA tests, the DLR kernel benchmark (saved after every row), the
-# CLI smoke run against the CPU. Logs and results under $OUT (default runs/gpu).
+# lease still brings back what finished: the kernel's tile sweep, the CUDA tests, the CLI smoke run against the CPU,
+# the DLR kernel benchmark (each saved as it goes). A stage whose limit is 0 is skipped; TUNE_ARGS are passed to
+# the sweep (e.g. --defaults-only), TESTS_K selects tests (pytest -k), SMOKE_ONLY names the smoke run's commands
+# (default: all) and SMOKE_PARAMS / SMOKE_D size its model. Logs and results under $OUT (default runs/gpu).
 #   bash benchmarks/gpu_session.sh            # on the GPU machine, from the repository root
+#   TUNE_S=0 DLR_S=0 SMOKE_ONLY="nest,nest rank" bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
@@ -12,6 +15,7 @@ T0=$(date +%s)
 stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, its output to $OUT/NAME.log, tail shown
     local name=$1 limit=$2
     shift 2
+    if [ "$limit" = 0 ]; then echo "== $name skipped"; return; fi
     echo "== $name (limit ${limit} s) starts at $(($(date +%s) - T0)) s"
     timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name exit $? at $(($(date +%s) - T0)) s"
@@ -20,10 +24,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, its outpu
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"
-stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -rfE tests/test_device.py tests/test_dlr_kernel.py \
-    --device cuda
+TAIL=30 stage tune "${TUNE_S:-260}" $PY benchmarks/dlr_gpu_tune.py --json "$OUT/dlr-gpu-tune.json" \
+    --md "$OUT/dlr-gpu-tune.md" --deadline "$(( ${TUNE_S:-260} - 30 ))" ${TUNE_ARGS:-}
+stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -rfE tests/test_device.py --device cuda \
+    ${TESTS_K:+-k "$TESTS_K"}
+stage gpu-smoke "${SMOKE_S:-180}" $PY benchmarks/gpu_smoke.py --device cuda --params "${SMOKE_PARAMS:-2e8}" --parallel \
+    --threads 12 --json "$OUT/gpu-smoke.json" --md "$OUT/gpu-smoke.md" --deadline "$(( ${SMOKE_S:-180} - 40 ))" \
+    ${SMOKE_D:+--d "$SMOKE_D"} ${SMOKE_ONLY:+--only "$SMOKE_ONLY"}
 TAIL=40 stage dlr-gpu "${DLR_S:-230}" $PY benchmarks/dlr_gpu.py --json "$OUT/dlr-gpu.json" --out "$OUT/dlr-gpu.md" \
     --deadline "${COMPILE_DEADLINE_S:-150}"
-stage gpu-smoke "${SMOKE_S:-180}" $PY benchmarks/gpu_smoke.py --device cuda --params "${SMOKE_PARAMS:-2e8}" --parallel \
-    --threads 12 --json "$OUT/gpu-smoke.json" --md "$OUT/gpu-smoke.md"
 echo "== done at $(($(date +%s) - T0)) s"

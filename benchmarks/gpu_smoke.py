@@ -70,7 +70,8 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
         ("export", ["export", str(w / "fused"), "--out", str(w / "exported")], "exported", BF16),
         ("nest", ["nest", str(m), "--out", str(w / "nested")], "nested", BF16),
         ("nest rank", ["nest", "rank", str(w / "nested"), "--rank", "64", "--out", str(w / "rank64")], "rank64", BF16),
-        ("twist extract", ["twist", "extract", str(m), "--keep", "6", "--out", str(w / "subnet")], "subnet", BF16),
+        ("twist extract", ["twist", "extract", str(m), "--keep", "2", "--blocks", "4", "--out", str(w / "subnet")],
+         "subnet", BF16),  # (R = 4 divides every width write_synthetic makes; 12 does not)
         ("lock dlr", ["lock", "dlr", str(m), *dlr, "--out", str(w / "dlr")], "dlr", TRAINED),
         # layer by layer (each layer worked on the device, the activations between layers in host memory)
         ("eval ppl --layerwise", ["eval", "ppl", str(m), "--max-tokens", "4096", "--block-len", "256", "--layerwise"],

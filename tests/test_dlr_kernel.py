@@ -1,4 +1,5 @@
-"""The fused Triton forward of the DLR-Net, each of its schedules (rows, cols, gemm), checked against the PyTorch
+"""The fused Triton forward of the DLR-Net, each of its schedules (cols, gemm) and tile settings other than the
+defaults (the sum of squares from the up product's epilogue, small tiles), checked against the PyTorch
 module's own forward in float64 through Triton's CPU interpreter (a subprocess: TRITON_INTERPRET must be set
 before triton is first imported). The reference is `net._delta`, the autograd path: under no_grad the module
 itself would pick the kernel."""
@@ -16,6 +17,11 @@ SCRIPT = r"""
 import json, torch
 from mlpsurgery.modules.dlr import DLRNet
 from mlpsurgery.kernels.dlr_triton import PATHS, choose_path, dlr_forward, fold
+VARIANTS = [("gemm, sum of squares in the up epilogue", "gemm", {"SS_EPI": True}),
+            ("gemm, sum of squares in the down product", "gemm", {"SS_EPI": False}),
+            ("gemm, small tiles", "gemm", {"SS_EPI": True, "BM": 32, "BN_down": 16, "BK_down": 32, "BN_up": 32,
+                                           "BK_up": 16}),
+            ("cols, 32 columns per program", "cols", {"BK": 32, "num_warps": 4})]
 out = []
 # odd sizes: rows, columns and ranks that fill no tile; several row tiles (130 rows), several rank tiles (r = 160)
 for seed, (T, d, r, depth, dtype) in enumerate([(37, 64, 16, 3, "float32"), (5, 96, 24, 4, "float32"),
@@ -37,6 +43,9 @@ for seed, (T, d, r, depth, dtype) in enumerate([(37, 64, 16, 3, "float32"), (5, 
         for path in PATHS:
             poison = torch.full((T, d), float("nan"), dtype=dt)  # every element must be written
             fused[path] = dlr_forward(x.to(dt), Dp, Up, net.eps, out=poison, path=path).double()
+        for name, path, tiles in VARIANTS:  # tile settings other than the defaults (the GPU sweep's options)
+            poison = torch.full((T, d), float("nan"), dtype=dt)
+            fused[name] = dlr_forward(x.to(dt), Dp, Up, net.eps, out=poison, path=path, tiles=tiles).double()
         net.to(dt)
         auto = net(x.to(dt)).double()  # DLRNet.forward picks the fused path itself under no_grad
     with torch.enable_grad():  # training: the exact autograd path, never the kernel
@@ -78,3 +87,12 @@ def test_fused_forward_matches_pytorch_in_the_interpreter():
         assert row["auto"] == pytest.approx(row["fused"][row["chosen"]], rel=1e-6, abs=1e-9), row
         assert row["train_exact"], row  # with grad enabled the module runs PyTorch autograd, not the kernel
         assert row["jvp_exact"], row  # under jvp / forward AD too (the kernel has no tangent)
+
+
+def test_unknown_tile_settings_are_refused():
+    from mlpsurgery.kernels.dlr_triton import COLS_TILES, GEMM_TILES, _tiles
+
+    assert _tiles(GEMM_TILES, {"SS_EPI": True})["SS_EPI"] is True
+    for defaults in (COLS_TILES, GEMM_TILES):
+        with pytest.raises(ValueError, match="unknown tile settings"):
+            _tiles(defaults, {"NCOPY": 4})

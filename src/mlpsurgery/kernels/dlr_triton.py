@@ -13,8 +13,9 @@ module's delta DLR(x) - x. Two schedules of that arithmetic, chosen by the numbe
   h_{l+1} += z[:, cols] D'_{l+1}[:, cols]^T and sum of squares (fp32 atomics into a per-block buffer). One
   launch per block (depth + 1 in all; CUDA-graph replay removes their launch cost), every weight read once.
 - **gemm** (many rows, e.g. prefill): two matrix products per block with the elementwise work in their
-  epilogues: down  A = silu((Z D'^T) / rms(Z))  (the sum of squares from the Z tiles the product loads) and up
-  Z += A U'^T  (the residual add in the epilogue; the last block subtracts x). Large row tiles reuse each weight
+  epilogues: down  A = silu((Z D'^T) / rms(Z))  (the sum of squares from the Z tiles the product loads, or -- at
+  larger ranks, where it is faster -- added up by the previous block's up epilogue) and up  Z += A U'^T  (the
+  residual add in the epilogue; the last block subtracts x). Large row tiles reuse each weight
   tile across 64-128 rows on the tensor cores; the residual moves three times per block (read, read + write).
 
 The first design (one launch running every block for a tile of rows, the activations kept in registers) was
@@ -67,10 +68,12 @@ def _differentiated(t: Tensor) -> bool:
 
 def module_forward(net, x: Tensor) -> Tensor | None:
     """A DLRNet's delta through the fused kernel, or None where the kernel does not apply: plain inference on
-    CUDA (or the interpreter) with triton, outside torch.compile and outside any forward-mode or functorch
-    differentiation of the input or the weights (the kernel has no tangent)."""
+    CUDA (or the interpreter) with triton, the weights on x's device, outside torch.compile and outside any
+    forward-mode or functorch differentiation of the input or the weights (the kernel has no tangent)."""
     params = (net.D, net.U, net.norm, net.alpha)
     if not available(x) or torch.compiler.is_compiling() or any(_differentiated(t) for t in (x, *params)):
+        return None
+    if any(t.device != x.device for t in params):  # PyTorch's own forward says which tensor is where
         return None
     Dp, Up = folded_weights(net, x.dtype)
     return dlr_forward(x, Dp, Up, net.eps)
@@ -171,11 +174,11 @@ if HAVE_TRITON:
         return rows, cols, rows < T, cols < n
 
     @triton.jit
-    def _gemm_down_kernel(Z, A, DW, T, d, r, l, stride_z, eps,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_F32: tl.constexpr,
-                          PREC: tl.constexpr):
+    def _gemm_down_kernel(Z, A, DW, SS, T, d, r, l, stride_z, eps,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SS_FROM_Z: tl.constexpr,
+                          W_F32: tl.constexpr, PREC: tl.constexpr):
         """A[rows, cols] = silu((Z D'_l^T)[rows, cols] / rms(Z[rows])), the sum of squares taken from the Z tiles
-        the product loads."""
+        the product loads (SS_FROM_Z) or read from SS[l] (written by the previous block's up epilogue)."""
         rows, cols, rmask, cmask = _out_tile(T, r, BM, BN)
         w_dtype = tl.float32 if W_F32 else DW.dtype.element_ty
         dw = DW + l * r * d
@@ -185,19 +188,23 @@ if HAVE_TRITON:
             kk = k0 + tl.arange(0, BK)
             kmask = kk < d
             z = tl.load(Z + rows[:, None] * stride_z + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            zf = z.to(tl.float32)
-            ss += tl.sum(zf * zf, axis=1)
+            if SS_FROM_Z:
+                zf = z.to(tl.float32)
+                ss += tl.sum(zf * zf, axis=1)
             dt = tl.load(dw + cols[None, :] * d + kk[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             acc += tl.dot(z.to(w_dtype), dt.to(w_dtype), input_precision=PREC)
+        if not SS_FROM_Z:
+            ss = tl.load(SS + l * T + rows, mask=rmask, other=0.0)
         h = acc * tl.rsqrt(ss / d + eps)[:, None]
         tl.store(A + rows[:, None] * r + cols[None, :], (h * tl.sigmoid(h)).to(A.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _gemm_up_kernel(ZSRC, X, OUT, A, UW, T, d, r, l, stride_zs, stride_x, stride_o,
-                        LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        W_F32: tl.constexpr, PREC: tl.constexpr):
-        """OUT[rows, cols] = ZSRC[rows, cols] + A[rows] U'_l[cols]^T, minus x after the last block."""
+    def _gemm_up_kernel(ZSRC, X, OUT, A, UW, SS, T, d, r, l, stride_zs, stride_x, stride_o,
+                        LAST: tl.constexpr, SS_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, W_F32: tl.constexpr, PREC: tl.constexpr):
+        """OUT[rows, cols] = ZSRC[rows, cols] + A[rows] U'_l[cols]^T, minus x after the last block; with SS_OUT
+        this tile's share of the next block's sum of squares (of the stored values) added to SS[l + 1]."""
         rows, cols, rmask, cmask = _out_tile(T, d, BM, BN)
         m2 = rmask[:, None] & cmask[None, :]
         w_dtype = tl.float32 if W_F32 else UW.dtype.element_ty
@@ -212,7 +219,11 @@ if HAVE_TRITON:
         z = tl.load(ZSRC + rows[:, None] * stride_zs + cols[None, :], mask=m2, other=0.0).to(tl.float32) + acc
         if LAST:
             z -= tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        tl.store(OUT + rows[:, None] * stride_o + cols[None, :], z.to(OUT.dtype.element_ty), mask=m2)
+        zs = z.to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * stride_o + cols[None, :], zs, mask=m2)
+        if SS_OUT:
+            zf = tl.where(m2, zs.to(tl.float32), 0.0)
+            tl.atomic_add(SS + (l + 1) * T + rows, tl.sum(zf * zf, axis=1), mask=rmask)
 
 
 def choose_path(T: int, d: int, r: int) -> str:
@@ -225,48 +236,79 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
-def _cols(x2, out, Dp, Up, eps, opts):
+# Tile settings of each schedule; `dlr_forward(..., tiles=...)` overrides any of them. The defaults come from
+# benchmarks/dlr_gpu_tune.py on an H100 (docs/dlr-gpu.md, "Tile settings"): a value of 0 / None is chosen by shape
+# from that sweep. cols: BK columns per program (d / BK programs; 0: 64 at d >= 4096, 32 at d >= 2048, else 16),
+# num_warps (8 was faster than 4 for every BK tried). gemm: the row tile BM (0: 128 from 2,048 rows on, else 64),
+# each product's BN x BK tile (BN_down 0: 256 at r >= 1024 in 16-bit weights, 64 below 2,048 rows, else 128) and warps (0: 8 for
+# tiles of 128 x 128 and larger, else 4), the pipeline's stages (0: 3, 2 for float32 weights), and SS_EPI (None:
+# from r >= 512 on): the next block's sum of squares added up in the up product's epilogue instead of recomputed
+# from the Z tiles the down product loads (faster at r = 1024, slower at r = 256, where the epilogue's atomics
+# weigh more than the down product's extra work).
+COLS_TILES = {"BK": 0, "num_warps": 8}
+GEMM_TILES = {"BM": 0, "BN_down": 0, "BK_down": 64, "warps_down": 0, "BN_up": 128, "BK_up": 64, "warps_up": 0,
+              "stages": 0, "SS_EPI": None}
+
+
+def _tiles(defaults: dict, tiles: dict | None) -> dict:
+    unknown = set(tiles or ()) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown tile settings {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **(tiles or {})}
+
+
+def _cols(x2, out, Dp, Up, eps, opts, tiles=None):
+    t = _tiles(COLS_TILES, tiles)
     depth, r, d = Dp.shape
     T = x2.shape[0]
     BT = min(64, _pow2(T))
-    BK = 32 if d >= 2048 else 16  # d / BK programs per row tile: about one per multiprocessor at d = 4096
+    BK = t["BK"] or (64 if d >= 4096 else 32 if d >= 2048 else 16)  # d / BK programs per row tile
     BR = min(_pow2(r), max(16, 8192 // BT))  # the (BT x BR) fp32 partial product within a register budget
     H = torch.zeros(depth, T, r, dtype=torch.float32, device=x2.device)
     SS = torch.zeros(depth, T, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(T, BT), triton.cdiv(d, BK))
-    kw = dict(BT=BT, BK=BK, BR=BR, NRC=triton.cdiv(r, BR), num_warps=4, **opts)
+    kw = dict(BT=BT, BK=BK, BR=BR, NRC=triton.cdiv(r, BR), num_warps=t["num_warps"], **opts)
     _cols_first_kernel[grid](x2, out, Dp, H, SS, T, d, r, x2.stride(0), out.stride(0), **kw)
     for l in range(depth):
         _cols_block_kernel[grid](x2, out, Dp, Up, H, SS, T, d, r, l, depth, x2.stride(0), out.stride(0), eps, **kw)
 
 
-def _gemm(x2, out, Dp, Up, eps, opts):
+def _gemm(x2, out, Dp, Up, eps, opts, tiles=None):
+    t = _tiles(GEMM_TILES, tiles)
     depth, r, d = Dp.shape
     T = x2.shape[0]
     A = torch.empty(T, r, dtype=Dp.dtype, device=x2.device)
-    stages = 2 if Dp.dtype == torch.float32 else 3
-    BM = 128 if T >= 2048 else 64
-    BN_down = min(128, _pow2(r))
-    BK_up = min(64, _pow2(r))
+    ss_epi = r >= 512 if t["SS_EPI"] is None else bool(t["SS_EPI"])
+    SS = torch.zeros(depth if ss_epi else 1, T, dtype=torch.float32, device=x2.device)
+    stages = t["stages"] or (2 if Dp.dtype == torch.float32 else 3)
+    BM = t["BM"] or (128 if T >= 2048 else 64)
+    wide = r >= 1024 and Dp.element_size() == 2  # (float32 weights' 256-wide tiles would not fit shared memory)
+    BN_down = min(t["BN_down"] or (256 if wide else 64 if T < 2048 else 128), _pow2(r))
+    BK_down = min(t["BK_down"], _pow2(d))
+    BN_up, BK_up = min(t["BN_up"], _pow2(d)), min(t["BK_up"], _pow2(r))
+    warps_down = t["warps_down"] or (8 if BM * BN_down >= 16384 else 4)
+    warps_up = t["warps_up"] or (8 if BM * BN_up >= 16384 else 4)
     down_grid = (triton.cdiv(T, BM) * triton.cdiv(r, BN_down),)
-    up_grid = (triton.cdiv(T, BM) * triton.cdiv(d, 128),)
+    up_grid = (triton.cdiv(T, BM) * triton.cdiv(d, BN_up),)
     for l in range(depth):
         src = x2 if l == 0 else out
-        _gemm_down_kernel[down_grid](src, A, Dp, T, d, r, l, src.stride(0), eps, BM=BM, BN=BN_down, BK=64,
-                                     num_warps=8 if BM * BN_down >= 16384 else 4, num_stages=stages, **opts)
-        _gemm_up_kernel[up_grid](src, x2, out, A, Up, T, d, r, l, src.stride(0), x2.stride(0), out.stride(0),
-                                 LAST=l == depth - 1, BM=BM, BN=128, BK=BK_up, num_warps=8 if BM >= 128 else 4,
-                                 num_stages=stages, **opts)
+        _gemm_down_kernel[down_grid](src, A, Dp, SS, T, d, r, l, src.stride(0), eps, BM=BM, BN=BN_down, BK=BK_down,
+                                     SS_FROM_Z=l == 0 or not ss_epi, num_warps=warps_down, num_stages=stages, **opts)
+        last = l == depth - 1
+        _gemm_up_kernel[up_grid](src, x2, out, A, Up, SS, T, d, r, l, src.stride(0), x2.stride(0), out.stride(0),
+                                 LAST=last, SS_OUT=ss_epi and not last, BM=BM, BN=BN_up, BK=BK_up,
+                                 num_warps=warps_up, num_stages=stages, **opts)
 
 
 _RUN = {"cols": _cols, "gemm": _gemm}
 
 
 def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | None = None,
-                path: str | None = None) -> Tensor:
+                path: str | None = None, tiles: dict | None = None) -> Tensor:
     """The DLR-Net delta DLR(x) - x with folded weights (see `fold`). x: (..., d), any float dtype; `path` one
-    of PATHS (default: `choose_path`). CUDA tensors run the compiled kernels; CPU tensors need TRITON_INTERPRET=1
-    set before triton is first imported (Triton's interpreter: slow, for checking correctness)."""
+    of PATHS (default: `choose_path`); `tiles` overrides the path's tile settings (COLS_TILES / GEMM_TILES).
+    CUDA tensors run the compiled kernels; CPU tensors need TRITON_INTERPRET=1 set before triton is first
+    imported (Triton's interpreter: slow, for checking correctness)."""
     if not HAVE_TRITON:
         raise RuntimeError("the fused DLR path needs the triton package")
     shape = x.shape
@@ -289,5 +331,5 @@ def dlr_forward(x: Tensor, Dp: Tensor, Up: Tensor, eps: float, out: Tensor | Non
     if path not in _RUN:
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     w_f32 = not x2.is_cuda or Dp.dtype == torch.float32
-    _RUN[path](x2, out, Dp, Up, eps, {"W_F32": w_f32, "PREC": "ieee" if w_f32 else "tf32"})
+    _RUN[path](x2, out, Dp, Up, eps, {"W_F32": w_f32, "PREC": "ieee" if w_f32 else "tf32"}, tiles)
     return out.reshape(shape)
