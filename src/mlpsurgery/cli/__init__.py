@@ -201,6 +201,13 @@ def layer_device(args, on_device: bool = True, what: str = "this command") -> st
     return "cpu"
 
 
+def check_max_memory(args, layerwise: bool | None = None) -> None:
+    """Refuse --max-memory where it caps nothing: it bounds the activations of the layer-by-layer mode
+    (`layerwise`: whether that mode runs; default args.layerwise)."""
+    if args.max_memory is not None and not (args.layerwise if layerwise is None else layerwise):
+        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
+
+
 def join_ranks(args, join: bool = True) -> tuple[str, int, int]:
     """(device, rank, world size): under torchrun (and `join`), this process joins the group on its rank's device
     (the GPU of its LOCAL_RANK on CUDA); ranks other than 0 go quiet (rank 0 shows the stages and progress)."""

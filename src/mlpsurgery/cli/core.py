@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_cost, table
-from . import check_plot_path, command, device_of, draw, integer, layer_device, model_name, number, progress, stage
+from . import (check_max_memory, check_plot_path, command, device_of, draw, integer, layer_device, model_name,
+               number, progress, stage)
 
 MODEL_HELP = "a model folder, a .gguf file, a folder saved by mlpsurgery, 'smollm2' (default), 'minilm' or 'tiny:ARCH'"
 
@@ -62,8 +63,7 @@ def run_ppl(args) -> dict:
     from ..measure.perplexity import default_block_len, is_causal_lm, perplexity, perplexity_layerwise
     from ..models import check_context
 
-    if args.max_memory is not None and not args.layerwise:
-        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
+    check_max_memory(args)
     if args.layerwise:  # the checkpoint read one decoder layer at a time (layerwise.LayerStream.outputs)
         from ..layerwise import LayerStream
         from ..models import _tokenizer, checkpoint_folder, working_dtype

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import table
-from . import command, device_of, draw, integer, join_ranks, model_name, number, stage
+from . import check_max_memory, command, device_of, draw, integer, join_ranks, model_name, number, stage
 from .core import MODEL_HELP
 
 
@@ -33,8 +33,7 @@ def run_lock(args) -> dict:
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     inputs = [args.model, args.data, args.second_corpus, args.original]
     layerwise = _layerwise(args)
-    if args.max_memory is not None and not layerwise:
-        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
+    check_max_memory(args, layerwise)
     if args.original and not args.phase2_only:
         raise MLPSurgeryError("--original names the model a locked folder was made from, for --phase2-only: add "
                               "--phase2-only, or drop --original")

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..report import human_count, plot_layers, table
-from . import command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
+from . import check_max_memory, command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -30,8 +30,7 @@ def run_fuse(args) -> dict:
     from ..io import check_out
     from ..models import check_context
 
-    if args.max_memory is not None and not args.layerwise:
-        raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
+    check_max_memory(args)
     inputs = [args.model, args.tune_data]
     # torchrun: the layer-wise tuning split by layer over the ranks (whole model, or layer by layer)
     device, rank, world = join_ranks(args)

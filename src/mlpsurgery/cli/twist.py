@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
-from . import command, device_of, draw, integer, layer_device, number, progress, stage
+from . import check_max_memory, command, device_of, draw, integer, layer_device, number, progress, stage
 from .core import MODEL_HELP, _load
 
 
@@ -189,8 +189,7 @@ def run_prune(args) -> dict:
         raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
                               "(which removes whole blocks: use --sparsity)")
     _free_out(args.out, args.overwrite, [args.model, args.data])
-    if args.max_memory is not None and not args.layerwise:
-        raise MLPSurgeryError("--max-memory caps the layer-sequential mode: add --layerwise")
+    check_max_memory(args)
     if args.layerwise:
         return _prune_layerwise(args, pattern)
     loaded = _load(args)
