@@ -240,11 +240,11 @@ def _pow2(n: int, lo: int = 16) -> int:
 # benchmarks/dlr_gpu_tune.py on an H100 (docs/dlr-gpu.md, "Tile settings"): a value of 0 / None is chosen by shape
 # from that sweep. cols: BK columns per program (d / BK programs; 0: 64 at d >= 4096, 32 at d >= 2048, else 16),
 # num_warps (8 was faster than 4 for every BK tried). gemm: the row tile BM (0: 128 from 2,048 rows on, else 64),
-# each product's BN x BK tile (BN_down 0: 256 at r >= 1024 in 16-bit weights, 64 below 2,048 rows, else 128) and warps (0: 8 for
-# tiles of 128 x 128 and larger, else 4), the pipeline's stages (0: 3, 2 for float32 weights), and SS_EPI (None:
-# from r >= 512 on): the next block's sum of squares added up in the up product's epilogue instead of recomputed
-# from the Z tiles the down product loads (faster at r = 1024, slower at r = 256, where the epilogue's atomics
-# weigh more than the down product's extra work).
+# each product's BN x BK tile (BN_down 0: 256 at r >= 1024 in 16-bit weights, 64 below 2,048 rows, else 128) and
+# warps (0: 8 for tiles of 128 x 128 and larger, else 4), the pipeline's stages (0: 3, 2 for float32 weights), and
+# SS_EPI (None: from r >= 512 on): the next block's sum of squares added up in the up product's epilogue instead of
+# recomputed from the Z tiles the down product loads (faster at r = 1024, slower at r = 256, where the epilogue's
+# atomics weigh more than the down product's extra work).
 COLS_TILES = {"BK": 0, "num_warps": 8}
 GEMM_TILES = {"BM": 0, "BN_down": 0, "BK_down": 64, "warps_down": 0, "BN_up": 128, "BK_up": 64, "warps_up": 0,
               "stages": 0, "SS_EPI": None}
