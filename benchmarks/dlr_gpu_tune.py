@@ -4,6 +4,7 @@ next to the SwiGLU it replaces and to the launch floor (as many empty kernels as
 the same way). The best setting per cell is what `kernels/dlr_triton.py`'s defaults are chosen from.
 
     python benchmarks/dlr_gpu_tune.py --json runs/tune.json --md runs/tune.md   # on a CUDA machine, bf16
+    python benchmarks/dlr_gpu_tune.py --defaults-only                           # the current defaults alone
     python benchmarks/dlr_gpu_tune.py --dry-run                                 # tiny shapes, Triton's interpreter
 
 cols (T <= 16): a grid over BK (columns per program) and num_warps. gemm (more rows): coordinate descent from
@@ -11,7 +12,6 @@ the defaults over SS_EPI (the next block's sum of squares from the up product's 
 product's tile, the pipeline's stages and the warps. A setting that fails to compile (shared memory) is recorded
 and skipped. Results are written after every setting. (The sweep of 2026-11-27 also tried NCOPY, copies of the
 cols schedule's atomically summed buffers, since removed from the kernel: docs/dlr-gpu.md.)
-    python benchmarks/dlr_gpu_tune.py --defaults-only                           # the current defaults alone
 """
 
 from __future__ import annotations
