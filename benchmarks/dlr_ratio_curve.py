@@ -12,7 +12,7 @@ and evaluations):
 - + 300 on-policy steps + phase 2: docs/results/dlr-smollm2-onpolicy.json
 - run 4 (256 captured blocks, 700 phase-1 steps of 512 tokens, 230 on-policy steps, 60 phase-2 steps):
   docs/results/dlr-smollm2-run4.json, after the on-policy steps and after phase 2
-- run 5, run 4's command again (the lock the adaptation-cost table is measured on): docs/results/dlr-smollm2.json;
+- run 5, run 4's command again (the lock the adaptation-cost table is measured on): docs/results/dlr-smollm2-run5.json;
   its phase 1 shared the CPU with another job for about 20 minutes, so its seconds read high
 - run 5's capture, phase 1 and on-policy nets (its work folder, hard-linked without the phase-2 files) with longer
   phase 2s: 240 steps over the same 256 teacher-labelled blocks (docs/results/dlr-smollm2-phase2-240.json), 480
@@ -56,8 +56,8 @@ def points() -> list[dict]:
         ("start", "phase1", "onpolicy", "phase2"))
     add("run 4: 700 x 512 + 230 on-policy", "dlr-smollm2-run4.json", "phase1", ("start", "phase1", "onpolicy"))
     add("run 4: + phase 2 (60 steps)", "dlr-smollm2-run4.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
-    add("run 5 (run 4 repeated): + 230 on-policy", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
-    add("run 5: + phase 2", "dlr-smollm2.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
+    add("run 5 (run 4 repeated): + 230 on-policy", "dlr-smollm2-run5.json", "phase1", ("start", "phase1", "onpolicy"))
+    add("run 5: + phase 2", "dlr-smollm2-run5.json", "phase2", ("start", "phase1", "onpolicy", "phase2"))
     add("run 5's nets + phase 2 (240 steps)", "dlr-smollm2-phase2-240.json", "phase2",
         ("start", "phase1", "onpolicy", "phase2"))
     add("run 5's nets + phase 2 (480 steps, 512 blocks)", "dlr-smollm2-phase2-480.json", "phase2",
