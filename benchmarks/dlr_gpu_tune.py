@@ -29,6 +29,8 @@ ap.add_argument("--json", default="runs/dlr/tune.json")
 ap.add_argument("--md", default="runs/dlr/tune.md")
 ap.add_argument("--deadline", type=float, default=0, help="seconds after which no further setting is tried")
 ap.add_argument("--defaults-only", action="store_true", help="time the kernel's default settings only (a check)")
+ap.add_argument("--cells", help="comma-separated indices into the list of cells (default: all), e.g. 0 for the "
+                                "72-block net at T = 16 (what benchmarks/gpu_session.sh profiles with ncu)")
 args = ap.parse_args()
 if args.dry_run:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -200,7 +202,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(res, indent=1))
         write_md(res, Path(args.md))
 
-    for cell in CELLS:
+    cells = [CELLS[int(i)] for i in args.cells.split(",")] if args.cells else CELLS
+    for cell in cells:
         if args.deadline and time.perf_counter() - START > args.deadline:
             break
         run_cell(cell, res, save)
