@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,27 +55,17 @@ if args.dry_run:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import gpu_common  # noqa: E402
+from gpu_common import failure  # noqa: E402
 from mlpsurgery.kernels import dlr_triton  # noqa: E402
-from mlpsurgery.modules.dense import DenseMLP  # noqa: E402
 from mlpsurgery.modules.dlr import DLRNet, StackedDLR  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+DEVICE, DTYPE = gpu_common.device_dtype(args.dry_run)
 
 
 def bench(fn, reps: int = 50) -> float:
-    """Median seconds of fn()."""
-    if DEVICE == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(3 if args.dry_run else reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of fn() (3 timed calls in a dry run)."""
+    return gpu_common.bench(fn, DEVICE, reps=3 if args.dry_run else reps)
 
 
 START = time.perf_counter()
@@ -87,29 +76,15 @@ def graphed(module, x: torch.Tensor):
     if DEVICE != "cuda":
         return None
     static = x.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.no_grad():
-        for _ in range(3):
-            module(static)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        module(static)
-    return g.replay
+    return gpu_common.graphed(lambda: module(static))
 
 
 def swiglu(d: int, h: int) -> nn.Module:
-    return DenseMLP(d, h, "silu", gated=True).to(DEVICE, DTYPE).eval()
+    return gpu_common.swiglu(d, h, DEVICE, DTYPE)
 
 
 def dlr(d: int, r: int, depth: int, fused: bool) -> DLRNet:
-    net = DLRNet(d, r, depth)
-    with torch.no_grad():
-        net.alpha.normal_(0, 0.05)  # a trained-looking net
-    net = net.to(DEVICE, DTYPE).eval()
-    net.fused = fused
-    return net
+    return gpu_common.trained_looking_dlr(d, r, depth, DEVICE, DTYPE, fused=fused)
 
 
 def correctness(d: int, r: int, depth: int, T: int) -> dict:
@@ -137,11 +112,6 @@ def correctness(d: int, r: int, depth: int, T: int) -> dict:
         out[path] = rel(f)
         out[f"all_written_{path}"] = bool(torch.isfinite(f).all())
     return out
-
-
-def failure(e: Exception) -> str:
-    """How a cell that failed (a schedule that does not compile, a capture that breaks) is recorded."""
-    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def schedule(Dp, Up, eps: float, path: str):

@@ -37,12 +37,11 @@ if args.dry_run:
 
 import torch  # noqa: E402
 
+import gpu_common  # noqa: E402
 from mlpsurgery.kernels import dlr_triton as K  # noqa: E402
-from mlpsurgery.modules.dense import DenseMLP  # noqa: E402
-from mlpsurgery.modules.dlr import DLRNet  # noqa: E402
 
-CUDA = torch.cuda.is_available() and not args.dry_run
-DEVICE, DTYPE = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+DEVICE, DTYPE = gpu_common.device_dtype(args.dry_run)
+CUDA = DEVICE == "cuda"
 START = time.perf_counter()
 
 if args.dry_run:
@@ -74,27 +73,8 @@ else:
 
 
 def bench(fn) -> float:
-    """Median seconds of fn() (CUDA: graph replay timed by do_bench)."""
-    if CUDA:
-        from triton.testing import do_bench
-
-        return do_bench(graphed(fn), warmup=25, rep=100, return_mode="median") / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.no_grad():
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        fn()
-    return g.replay
+    """Median seconds of fn() (CUDA: graph replay timed by do_bench; a dry run: one call after one warm-up)."""
+    return gpu_common.bench(gpu_common.graphed(fn) if CUDA else fn, DEVICE, reps=1)
 
 
 def launch_floor(n: int) -> float | None:
@@ -113,11 +93,8 @@ def launch_floor(n: int) -> float | None:
 
 def run_cell(cell, res: dict, save) -> None:
     schedule, d, h, r, depth, T = cell
-    net = DLRNet(d, r, depth)
-    with torch.no_grad():
-        net.alpha.normal_(0, 0.05)  # a trained-looking net
-    net = net.to(DEVICE, DTYPE).eval()
-    mlp = DenseMLP(d, h, "silu", gated=True).to(DEVICE, DTYPE).eval()
+    net = gpu_common.trained_looking_dlr(d, r, depth, DEVICE, DTYPE)
+    mlp = gpu_common.swiglu(d, h, DEVICE, DTYPE)
     x = torch.randn(T, d, device=DEVICE, dtype=DTYPE)
     row = {"schedule": schedule, "d": d, "h": h, "r": r, "depth": depth, "T": T, "tried": []}
     res["cells"].append(row)
@@ -143,7 +120,7 @@ def run_cell(cell, res: dict, save) -> None:
                                                                tiles=tiles))
                 entry["ratio"] = entry["seconds"] / row["swiglu"]
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is recorded, not fatal
-                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                entry["error"] = gpu_common.failure(e, limit=200)
             print(schedule, d, r, depth, T, json.dumps(entry), flush=True)
             save()
             return entry.get("seconds")
