@@ -3,7 +3,8 @@
 # lease still brings back what finished: the kernel's tile sweep, the CUDA tests, the CLI smoke run against the CPU,
 # the DLR kernel benchmark (each saved as it goes). A stage whose limit is 0 is skipped; TUNE_ARGS are passed to
 # the sweep (e.g. --defaults-only), NCU_S (default 0: off) profiles the missed targets' kernels with Nsight Compute,
-# TESTS_K selects tests (pytest -k), SMOKE_ONLY names the smoke run's commands
+# TESTS_K selects tests (pytest -k), CROSS_S (default 0: off) times the fused schedules against each other at the
+# token counts CROSS_T, SMOKE_ONLY names the smoke run's commands
 # (default: all) and SMOKE_PARAMS / SMOKE_D size its model. Logs and results under $OUT (default runs/gpu).
 #   bash benchmarks/gpu_session.sh            # on the GPU machine, from the repository root
 #   TUNE_S=0 DLR_S=0 SMOKE_ONLY="nest,nest rank" bash benchmarks/gpu_session.sh
@@ -40,6 +41,9 @@ stage tests "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -rfE tests/te
 stage gpu-smoke "${SMOKE_S:-180}" $PY benchmarks/gpu_smoke.py --device cuda --params "${SMOKE_PARAMS:-2e8}" --parallel \
     --threads 12 --json "$OUT/gpu-smoke.json" --md "$OUT/gpu-smoke.md" --deadline "$(( ${SMOKE_S:-180} - 40 ))" \
     ${SMOKE_D:+--d "$SMOKE_D"} ${SMOKE_ONLY:+--only "$SMOKE_ONLY"}
+# the fused schedules against each other at small T (choose_path's threshold; off by default)
+stage crossover "${CROSS_S:-0}" $PY benchmarks/dlr_gpu.py --crossover "${CROSS_T:-16,32,64,128,256,512}" \
+    --json "$OUT/dlr-gpu-crossover.json" --out "$OUT/dlr-gpu-crossover.md"
 TAIL=40 stage dlr-gpu "${DLR_S:-230}" $PY benchmarks/dlr_gpu.py --json "$OUT/dlr-gpu.json" --out "$OUT/dlr-gpu.md" \
     --deadline "${COMPILE_DEADLINE_S:-150}"
 echo "== done at $(($(date +%s) - T0)) s"
