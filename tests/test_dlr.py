@@ -354,6 +354,32 @@ def test_compiled_phase1_trains_the_same_nets_as_eager(tmp_path):
             torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-2, atol=1e-3)
 
 
+def test_compiled_phase2_trains_the_same_nets_as_eager(tmp_path, monkeypatch):
+    import warnings
+
+    from mlpsurgery.methods.dlr_lock import logits
+
+    compiled = []
+    real = logits._compile_nets
+    monkeypatch.setattr(logits, "_compile_nets", lambda nets: (compiled.append(len(nets)), real(nets)))
+    args = (blocks(), blocks(8, seed=1))
+    a, b = tiny_model("llama"), tiny_model("llama")
+    cfg = dict(phase1_steps=0, phase2_steps=4, gradient_checkpointing=True)  # phase 2 alone differs: a, b eager, compiled
+    ra = dlr_lock(a, *args, small_cfg(**cfg), tmp_path / "a", progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rb = dlr_lock(b, *args, small_cfg(**cfg, compile=True), tmp_path / "b", progress=False)
+    assert compiled == [2]  # b's two DLR-Nets (a ran eagerly: compile=False) ...
+    assert not [w for w in caught if "runs eagerly" in str(w.message)]  # ... and compiled, not the eager fallback
+    la, lb = ([h["loss"] for h in r.phase2_history] for r in (ra, rb))
+    assert len(la) == len(lb) > 0
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+    for sa, sb in zip(find_sites(a).mlp, find_sites(b).mlp):
+        assert "_delta" not in vars(sb.module)  # the compiled forward is phase 2's only
+        for name in ("D", "U", "norm", "alpha"):
+            torch.testing.assert_close(getattr(sa.module, name), getattr(sb.module, name), rtol=1e-2, atol=1e-3)
+
+
 def test_cli_lock_dlr_writes_a_locked_folder_and_refuses_bad_input(tmp_path, capsys, ids):
     import json
 

@@ -537,7 +537,7 @@ def register(sub, groups) -> None:
                    help=f"share of each on-policy batch from the on-policy pairs, the rest phase 1's ({DLRConfig.onpolicy_mix})")
     p.add_argument("--onpolicy-lr", type=number(0), default=DLRConfig.onpolicy_lr,
                    help=f"peak learning rate of the on-policy steps ({DLRConfig.onpolicy_lr})")
-    p.add_argument("--no-compile", action="store_true", help="run phase 1 eagerly instead of through torch.compile")
+    p.add_argument("--no-compile", action="store_true", help="run phase 1 and phase 2 eagerly instead of through torch.compile")
     p.add_argument("--phase2-steps", type=integer(0), default=DLRConfig.phase2_steps)
     p.add_argument("--phase2-lr", type=number(0), default=DLRConfig.phase2_lr)
     p.add_argument("--phase2-batch", type=integer(1), default=DLRConfig.phase2_batch)
