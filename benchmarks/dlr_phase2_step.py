@@ -72,6 +72,16 @@ def install(model, variant: str) -> None:
             m._delta = lambda x, m=m: per_block(x, m)
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -91,7 +101,7 @@ def main() -> None:
     batches = [torch.randint(0, original.config.vocab_size, (args.batch, args.seq_len), generator=g) for _ in range(n)]
     with torch.no_grad():
         targets = [torch.log_softmax(original(input_ids=b).logits.float(), -1).topk(args.top_k, -1) for b in batches]
-    res = {"machine": f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads, "
+    res = {"machine": f"CPU ({cpu_name()}), {torch.get_num_threads()} threads, "
                       f"torch {torch.__version__}", "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len,
            "variants": {}}
     for variant in args.variants.split(","):
