@@ -225,7 +225,7 @@ def test_cli_lock_dlr_by_default_runs_phase1_layer_by_layer_then_phase2_as_the_t
           "--second-corpus", "", "--json"]
     assert main(["lock", "dlr", *small, "--phase2-steps", "0", "--layerwise", "--out", str(tmp_path / "p1")]) == 0
     assert main(["lock", "dlr", str(tmp_path / "p1"), "--phase2-only", "--original", str(src), *p2[:-5],
-                 "--block-len", "16", "--eval-tokens", "0", "--quiet", "--out", str(tmp_path / "two")]) == 0
+                 "--block-len", "16", "--eval-tokens", "0", "--no-compile", "--quiet", "--out", str(tmp_path / "two")]) == 0
     capsys.readouterr()
 
     real, calls = dl.continue_phase2, []
