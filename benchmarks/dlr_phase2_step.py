@@ -9,7 +9,8 @@ phase 2 does not yet. This measures what compiling the DLR-Nets would buy:
 
 - eager: `lock dlr`'s phase 2 as it is (DLRNet._delta, checkpointed);
 - net: one torch.compile'd function of (x, D, U, norm, alpha) for a whole DLR-Net (36 blocks unrolled), shared by
-  the 30 nets (their weights are arguments, so one compilation serves all);
+  the 30 nets (their weights are arguments, so one compilation serves all) -- `logits._compile_nets`, what
+  `lock dlr` phase 2 now runs on the CPU;
 - block: one compiled function of one block, called 36 x 30 times (a small graph: quick to compile).
 
 The locked model is `locked_like` (untrained DLR-Nets of matched size: the cost depends on the structure only);
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -33,18 +33,11 @@ import torch
 import torch.nn.functional as F
 
 import mlpsurgery as ms
+from memory import cpu_name
 from mlpsurgery.methods.dlr_lock import locked_like
-from mlpsurgery.methods.dlr_lock.logits import _dlr_modules
+from mlpsurgery.methods.dlr_lock.logits import _compile_nets, _dlr_modules
 from mlpsurgery.methods.dlr_lock.losses import topk_kl
 from mlpsurgery.modules.dlr import rms_norm
-
-
-def delta_net(x, D, U, norm, alpha, eps: float):
-    z = x
-    for l in range(D.shape[0]):
-        a = F.silu(F.linear(rms_norm(z, eps) * norm[l], D[l]))
-        z = z + alpha[l] * F.linear(a, U[l])
-    return z - x
 
 
 def block(z, D, U, norm, alpha, eps: float):
@@ -55,10 +48,8 @@ def install(model, variant: str) -> None:
     """Point every DLR-Net's _delta (what its checkpointed forward runs) at the variant."""
     if variant == "eager":
         return
-    if variant == "net":
-        fn = torch.compile(delta_net)
-        for _, m in _dlr_modules(model):
-            m._delta = lambda x, m=m: fn(x, m.D, m.U, m.norm, m.alpha, m.eps)
+    if variant == "net":  # what `lock dlr` phase 2 runs on the CPU
+        _compile_nets([m for _, m in _dlr_modules(model)])
     else:
         fn = torch.compile(block)
 
@@ -70,16 +61,6 @@ def install(model, variant: str) -> None:
 
         for _, m in _dlr_modules(model):
             m._delta = lambda x, m=m: per_block(x, m)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
