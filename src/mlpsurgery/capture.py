@@ -1,7 +1,7 @@
 """Record what each layer's MLP sub-block sees and produces on calibration batches.
 
 For every chosen layer, the pair (x, y): x the residual stream entering the MLP sub-block, y = x + delta
-what leaves it (see sites.py; for post-norm encoders y is taken before the outer LayerNorm). Rows are
+what leaves it (see the sites package; for post-norm encoders y is taken before the outer LayerNorm). Rows are
 tokens: x, y are (n_tokens, d).
 
 Captures stream batch by batch into chunks, kept in memory or written to disk as one safetensors file

@@ -1,0 +1,111 @@
+"""Architecture specifications: where each supported architecture keeps its MLP, attention, norms and embeddings
+(paths relative to one layer), the only per-architecture knowledge in the library."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture keeps its MLP and attention (paths relative to one layer)."""
+
+    name: str
+    layers: str  # path from the base model to the ModuleList of layers
+    decoder: bool = True
+    # MLP
+    mlp_layout: str = "module"  # "module": one MLP module; "bert": intermediate/output; "opt": fc1/fc2 on the layer
+    mlp: str = "mlp"
+    up: str | None = "up_proj"
+    gate: str | None = "gate_proj"
+    gate_up: str | None = None  # fused (2h, d) weight: gate rows first, then up (Phi-3)
+    down: str = "down_proj"
+    act: str = "act_fn"
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    pre_norm: str | None = "post_attention_layernorm"
+    inner_post_norm: str | None = None  # applied to the MLP output before the residual add (Gemma 2/3)
+    outer_post_norm: str | None = None  # applied after the residual add (post-norm encoders)
+    norm_plus_one: bool = False  # Gemma's RMSNorm scales by (1 + weight)
+    width_key: str = "intermediate_size"  # the config field holding the MLP inner width
+    # attention
+    attn: str = "self_attn"
+    q: str | None = "q_proj"
+    k: str | None = "k_proj"
+    v: str | None = "v_proj"
+    o: str = "o_proj"
+    qkv: str | None = None
+    qkv_layout: str | None = None  # "blocks": [q; k; v] rows; "neox": per head [q_h; k_h; v_h]; "gpt2": Conv1D [q|k|v]
+    attn_norm: str | None = "input_layernorm"
+    embeddings: tuple[str, ...] = ("embed_tokens",)  # paths from the base model
+    final_norm: str | None = "norm"
+    # A layer may hold a subset of the heads (narrower projections); the sites read every layer's head count
+    # off its projection widths. (Every supported architecture can; gpt2, opt and phi3 through narrow_attn.)
+    heads_per_layer: bool = True
+    # Where the stock attention takes its head count from the config (gpt2, opt, phi3), a layer holding fewer
+    # heads gets this registered module instead (modules/attention.py: the stock class, its head count read
+    # off its own projections); None where the stock attention already infers it from its projections.
+    narrow_attn: str | None = None
+    # A config with fewer heads keeps head_dim (the config carries head_dim apart from hidden_size / heads).
+    heads_in_config: bool = True
+
+    def at_config(self, config) -> "ArchSpec":
+        """The spec adjusted for config switches that move norms (OPT-350m is post-norm)."""
+        if self.name == "opt" and not getattr(config, "do_layer_norm_before", True):
+            return dataclasses.replace(self, pre_norm=None, outer_post_norm="final_layer_norm",
+                                       attn_norm=None)
+        return self
+
+
+_LLAMA = ArchSpec(name="llama", layers="layers")
+ARCH_SPECS: dict[str, ArchSpec] = {
+    "llama": _LLAMA,
+    "mistral": dataclasses.replace(_LLAMA, name="mistral"),
+    "qwen2": dataclasses.replace(_LLAMA, name="qwen2"),
+    "qwen3": dataclasses.replace(_LLAMA, name="qwen3"),
+    "gemma": dataclasses.replace(_LLAMA, name="gemma", norm_plus_one=True),
+    "gemma2": dataclasses.replace(_LLAMA, name="gemma2", act_keys=("hidden_activation", "hidden_act"),
+                                  pre_norm="pre_feedforward_layernorm",
+                                  inner_post_norm="post_feedforward_layernorm", norm_plus_one=True),
+    "gemma3_text": dataclasses.replace(_LLAMA, name="gemma3_text", act_keys=("hidden_activation", "hidden_act"),
+                                       pre_norm="pre_feedforward_layernorm",
+                                       inner_post_norm="post_feedforward_layernorm", norm_plus_one=True),
+    "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
+                                q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks",
+                                narrow_attn="NarrowPhi3Attention"),
+    "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
+                     act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
+                     q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",
+                     embeddings=("wte", "wpe"), final_norm="ln_f", heads_in_config=False,
+                     narrow_attn="NarrowGPT2Attention"),
+    "gpt_neox": ArchSpec(name="gpt_neox", layers="layers", up="dense_h_to_4h", gate=None, down="dense_4h_to_h",
+                         act="act", pre_norm="post_attention_layernorm", attn="attention", q=None, k=None, v=None,
+                         o="dense", qkv="query_key_value", qkv_layout="neox", embeddings=("embed_in",),
+                         final_norm="final_layer_norm", heads_in_config=False),
+    "opt": ArchSpec(name="opt", layers="decoder.layers", width_key="ffn_dim", mlp_layout="opt", mlp="", up="fc1", gate=None, down="fc2",
+                    act="activation_fn", act_keys=("activation_function",), pre_norm="final_layer_norm",
+                    o="out_proj", attn_norm="self_attn_layer_norm",
+                    embeddings=("decoder.embed_tokens", "decoder.embed_positions"), final_norm="decoder.final_layer_norm",
+                    heads_in_config=False, narrow_attn="NarrowOPTAttention"),
+    "bert": ArchSpec(name="bert", layers="encoder.layer", decoder=False, mlp_layout="bert", mlp="",
+                     up="intermediate.dense", gate=None, down="output.dense", act="intermediate.intermediate_act_fn",
+                     pre_norm=None, outer_post_norm="output.LayerNorm", attn="attention",
+                     q="self.query", k="self.key", v="self.value", o="output.dense", attn_norm=None,
+                     embeddings=("embeddings",), final_norm=None, heads_in_config=False),
+}
+ARCH_SPECS["roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="roberta")
+
+SUPPORTED = tuple(ARCH_SPECS)
+
+
+def arch_spec(config) -> ArchSpec:
+    model_type = getattr(config, "model_type", None)
+    spec = ARCH_SPECS.get(model_type)
+    if spec is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}. "
+            "Methods that need no sites (CoreLocker on plain PyTorch models) accept any model through "
+            "mlpsurgery.sites.generic_layers().")
+    return spec.at_config(config)
