@@ -116,7 +116,7 @@ KILLED_SAVE = r"""
 import os, signal, sys, threading
 import mlpsurgery as ms
 from mlpsurgery.tiny import tiny_model
-import mlpsurgery.io as io_mod
+import mlpsurgery.io.saving as io_mod
 model = tiny_model("llama", seed=int(sys.argv[2]))
 delay = float(sys.argv[3])
 real = io_mod._write_weights

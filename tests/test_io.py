@@ -122,7 +122,7 @@ def test_save_refuses_non_empty_target_and_is_atomic(tmp_path, monkeypatch):
         save(model, tmp_path / "busy")
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
 
-    import mlpsurgery.io as io_mod
+    import mlpsurgery.io.saving as io_mod
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ...errors import MLPSurgeryError
-from ...io import _materialise, record, replaced_modules
+from ...io import record, replaced_modules
+from ...io.exporting import _materialise
 from ...layerwise import LayerStream, rewrite
 from ...measure.cost import count_params
 from ...sites import arch_spec, find_sites
