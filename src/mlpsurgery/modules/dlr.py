@@ -44,6 +44,17 @@ def rms_norm(z: Tensor, eps: float) -> Tensor:
     return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def dlr_full(x: Tensor, D: Tensor, U: Tensor, norm: Tensor, alpha: Tensor, eps: float) -> Tensor:
+    """DLR(x) from a net's stacked tensors (D: (depth, r, d), U: (depth, d, r), norm: (depth, d), alpha: (depth,)).
+    A function of the weights rather than a method, so that one torch.compile of it serves every net of a shape
+    (DLR phase 2 on the CPU): the weights are arguments, not guarded objects."""
+    z = x
+    for l in range(D.shape[0]):
+        a = torch.nn.functional.silu(nn.functional.linear(rms_norm(z, eps) * norm[l], D[l]))  # (.., r)
+        z = z + alpha[l] * nn.functional.linear(a, U[l])
+    return z
+
+
 @register
 class DLRNet(SurgeryModule):
     """x (..., d) -> DLR(x) - x (..., d). See the module docstring."""
@@ -81,11 +92,7 @@ class DLRNet(SurgeryModule):
 
     def full(self, x: Tensor) -> Tensor:
         """DLR(x) itself. x: (..., d)."""
-        z = x
-        for l in range(self.depth):
-            a = torch.nn.functional.silu(nn.functional.linear(rms_norm(z, self.eps) * self.norm[l], self.D[l]))  # (.., r)
-            z = z + self.alpha[l] * nn.functional.linear(a, self.U[l])
-        return z
+        return dlr_full(x, self.D, self.U, self.norm, self.alpha, self.eps)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():

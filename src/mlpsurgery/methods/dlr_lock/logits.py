@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from ... import parallel
 from ...errors import MLPSurgeryError
 from ...measure.perplexity import is_causal_lm
-from ...modules.dlr import DLRNet, rms_norm
+from ...modules.dlr import DLRNet, dlr_full
 from ...train import FitConfig, fit, step_rng
 from .config import DLRConfig
 from .losses import _rest_logsumexp, topk_kl
@@ -50,13 +50,8 @@ def dlr_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _delta(x: Tensor, D: Tensor, U: Tensor, norm: Tensor, alpha: Tensor, eps: float) -> Tensor:
-    """DLRNet._delta as a function of the net's tensors (the same arithmetic as DLRNet.full - x), so one
-    torch.compile of it serves every net of a shape: the weights are arguments, not guarded objects."""
-    z = x
-    for l in range(D.shape[0]):
-        a = torch.nn.functional.silu(nn.functional.linear(rms_norm(z, eps) * norm[l], D[l]))
-        z = z + alpha[l] * nn.functional.linear(a, U[l])
-    return z - x
+    """DLRNet._delta as a function of the net's tensors, for torch.compile (see dlr_full)."""
+    return dlr_full(x, D, U, norm, alpha, eps) - x
 
 
 def _compile_nets(nets: list[DLRNet]) -> None:
@@ -74,17 +69,19 @@ def _compile_nets(nets: list[DLRNet]) -> None:
         return
 
     def delta(net: DLRNet, x: Tensor) -> Tensor:
-        if state["fn"] is not None and state.get("ran"):  # (nothing caught past the first call: the checkpoint's
-            return state["fn"](x, net.D, net.U, net.norm, net.alpha, net.eps)  # recompute stops by raising)
-        if state["fn"] is not None:
-            try:
-                out = state["fn"](x, net.D, net.U, net.norm, net.alpha, net.eps)
-                state["ran"] = True
-                return out
-            except Exception as exc:  # noqa: BLE001 - a backend failure at first call (e.g. no C compiler)
-                warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); phase 2 runs eagerly")
-                state["fn"] = None
-        return DLRNet._delta(net, x)
+        fn = state["fn"]
+        if fn is None:
+            return DLRNet._delta(net, x)
+        if state.get("ran"):  # nothing caught past the first call: the checkpoint's recompute stops by raising
+            return fn(x, net.D, net.U, net.norm, net.alpha, net.eps)
+        try:
+            out = fn(x, net.D, net.U, net.norm, net.alpha, net.eps)
+        except Exception as exc:  # noqa: BLE001 - a backend failure at first call (e.g. no C compiler)
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); phase 2 runs eagerly")
+            state["fn"] = None
+            return DLRNet._delta(net, x)
+        state["ran"] = True
+        return out
 
     for m in nets:
         m._delta = functools.partial(delta, m)  # (an instance attribute: DLRNet.forward's checkpoint calls it)
