@@ -512,11 +512,14 @@ def register(sub, groups) -> None:
     p.add_argument("--data", help="calibration / distillation text: file, folder, table, a bundled corpus (austen, r8, "
                                   f"r8-train) or a mix A+B (default {DEFAULT_DATA}: the novels with Persuasion held out "
                                   "plus the Reuters training articles, so the lock serves more than one domain)")
-    p.add_argument("--block-len", type=integer(2), default=256)
+    p.add_argument("--block-len", type=integer(2), default=256,
+                   help="tokens per calibration / distillation block (256)")
     p.add_argument("--calib-blocks", type=integer(2), default=DLRConfig.calib_blocks,
                    help=f"blocks captured for phase 1 ({DLRConfig.calib_blocks})")
-    p.add_argument("--phase1-steps", type=integer(0), default=DLRConfig.phase1_steps)
-    p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr)
+    p.add_argument("--phase1-steps", type=integer(0), default=DLRConfig.phase1_steps,
+                   help=f"phase-1 (module-wise distillation) steps per layer ({DLRConfig.phase1_steps})")
+    p.add_argument("--phase1-lr", type=number(0), default=DLRConfig.phase1_lr,
+                   help=f"peak learning rate of phase 1 ({DLRConfig.phase1_lr})")
     p.add_argument("--phase1-start", default=DLRConfig.phase1_start, choices=list(PHASE1_STARTS),
                    help="closed-form (default): set each DLR block in turn by least squares on the captured pairs, "
                         "from the replaced MLP's own input directions, then train; identity: start at a = 0")
@@ -538,12 +541,17 @@ def register(sub, groups) -> None:
     p.add_argument("--onpolicy-lr", type=number(0), default=DLRConfig.onpolicy_lr,
                    help=f"peak learning rate of the on-policy steps ({DLRConfig.onpolicy_lr})")
     p.add_argument("--no-compile", action="store_true", help="run phase 1 and phase 2 eagerly instead of through torch.compile")
-    p.add_argument("--phase2-steps", type=integer(0), default=DLRConfig.phase2_steps)
-    p.add_argument("--phase2-lr", type=number(0), default=DLRConfig.phase2_lr)
-    p.add_argument("--phase2-batch", type=integer(1), default=DLRConfig.phase2_batch)
+    p.add_argument("--phase2-steps", type=integer(0), default=DLRConfig.phase2_steps,
+                   help=f"phase-2 steps: every DLR-Net trained through the whole model against the original's "
+                        f"logits ({DLRConfig.phase2_steps}; 0: no phase 2)")
+    p.add_argument("--phase2-lr", type=number(0), default=DLRConfig.phase2_lr,
+                   help=f"peak learning rate of phase 2 ({DLRConfig.phase2_lr})")
+    p.add_argument("--phase2-batch", type=integer(1), default=DLRConfig.phase2_batch,
+                   help=f"blocks per phase-2 step ({DLRConfig.phase2_batch})")
     p.add_argument("--phase2-blocks", type=integer(1), default=DLRConfig.phase2_blocks,
                    help=f"teacher-labelled blocks for phase 2 ({DLRConfig.phase2_blocks})")
-    p.add_argument("--top-k", type=integer(1), default=32)
+    p.add_argument("--top-k", type=integer(1), default=32,
+                   help="phase 2 matches the original's top-k token log-probabilities and the rest's total (32)")
     p.add_argument("--no-checkpointing", action="store_true", help="phase 2 without activation checkpointing")
     p.add_argument("--memory-gb", type=number(0), default=8.0,
                    help="hold a set of captured activations in RAM up to this size, else stream it from disk (8; "
@@ -578,17 +586,20 @@ def register(sub, groups) -> None:
     p.add_argument("--original", help=f"the original model (default: the one recorded in the locked folder); {MODEL_HELP}")
     p.add_argument("--out", required=True, help="folder for per-attack results, the table and the plot")
     p.add_argument("--data", help="the attacker's fine-tuning text (default: bundled Austen)")
-    p.add_argument("--attacks", default="finetune,checkpointing,lora,frozen,reverse")
+    p.add_argument("--attacks", default="finetune,checkpointing,lora,frozen,reverse",
+                   help="attack families to run, comma-separated (default: all five)")
     p.add_argument("--lrs", default="1e-5,1e-4,1e-3", help="plain fine-tuning learning rates")
-    p.add_argument("--steps", type=integer(1), default=40)
-    p.add_argument("--batch", type=integer(1), default=4)
-    p.add_argument("--block-len", type=integer(2), default=128)
-    p.add_argument("--train-blocks", type=integer(1), default=512)
-    p.add_argument("--eval-blocks", type=integer(1), default=16)
-    p.add_argument("--lora-rank", type=integer(1), default=8)
+    p.add_argument("--steps", type=integer(1), default=40, help="fine-tuning steps per run (40)")
+    p.add_argument("--batch", type=integer(1), default=4, help="blocks per fine-tuning step (4)")
+    p.add_argument("--block-len", type=integer(2), default=128, help="tokens per block (128)")
+    p.add_argument("--train-blocks", type=integer(1), default=512,
+                   help="blocks of the attacker's text to train on (512)")
+    p.add_argument("--eval-blocks", type=integer(1), default=16, help="held-out blocks the loss is measured on (16)")
+    p.add_argument("--lora-rank", type=integer(1), default=8, help="rank of the LoRA attacks' adapters (8)")
     p.add_argument("--reverse-layers", type=_all_or_count, default=None, metavar="all|N",
                    help="DLR-Nets the attacker distils back into dense MLPs (all: every one, and the dense model is "
                         "then fine-tuned as the original, the route measured end to end; N: the first N, and the "
                         "route is estimated from their time); default all")
-    p.add_argument("--reverse-steps", type=integer(1), default=200)
+    p.add_argument("--reverse-steps", type=integer(1), default=200,
+                   help="distillation steps per DLR-Net of the reverse route (200)")
     p.add_argument("--seed", type=integer(0), default=0)
