@@ -303,3 +303,27 @@ def test_export_of_a_folder_holding_a_plot(capsys, tmp_path):
     assert code == 0 and (tmp_path / "p" / "prune-layers.png").exists()
     code, _, _ = run(capsys, "export", tmp_path / "p", "--out", tmp_path / "hf", "--quiet")
     assert code == 0 and not (tmp_path / "hf" / "prune-layers.png").exists()
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`--help` is a new user's manual: no option may show up bare (`--steps STEPS` and nothing else)."""
+    import argparse
+
+    from mlpsurgery.cli import build_parser
+
+    bare, seen = [], 0
+
+    def walk(parser, path):
+        nonlocal seen
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif action.option_strings and not isinstance(action, argparse._HelpAction):
+                seen += 1
+                if not (action.help or "").strip():
+                    bare.append(f"{' '.join(path)} {action.option_strings[-1]}")
+
+    walk(build_parser(), [])
+    assert seen > 200  # every command's options were walked
+    assert not bare, f"options without help: {bare}"

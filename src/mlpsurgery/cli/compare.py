@@ -54,13 +54,14 @@ def register(sub, groups) -> None:
     p.add_argument("--recover-steps", type=integer(0), default=0,
                    help="layer-wise recovery steps for every candidate (each MLP trained to the original's output on "
                         "the calibration blocks; 0: none)")
-    p.add_argument("--recover-lr", type=number(0, 1, low_open=True), default=1e-3)
+    p.add_argument("--recover-lr", type=number(0, 1, low_open=True), default=1e-3,
+                   help="learning rate of the recovery steps (1e-3)")
     p.add_argument("--blocks", type=integer(2), default=12, help="MLP chunks per layer for fisher / twist (12)")
     p.add_argument("--prompt-len", type=integer(1), default=256, help="prefill tokens timed (256)")
     p.add_argument("--new-tokens", type=integer(1), default=32, help="decode steps timed (32)")
     p.add_argument("--repeats", type=integer(1), default=5, help="timed repeats per model, medians (5)")
     p.add_argument("--threads", type=integer(1), help="CPU threads while timing (default: torch's setting)")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of every method's draws (0)")
     p.add_argument("--no-models", action="store_true", help="do not save each point as a model folder")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out made with other settings (only a folder mlpsurgery wrote)")

@@ -266,10 +266,11 @@ def register(sub, groups) -> None:
     p = command(groups["eval"], "ppl", run_ppl, render_ppl, "token-level perplexity on held-out (or training) text")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--data", help="text file, folder of .txt, or a bundled corpus: austen (default), r8")
-    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout",
+                   help="score the held-out text (default) or the training text")
     p.add_argument("--block-len", type=integer(2), help="window length in tokens (512, or the model's context if shorter)")
     p.add_argument("--stride", type=integer(1), help="window stride (default: block length - 1: windows share one token of context)")
-    p.add_argument("--batch-size", type=integer(1), default=4)
+    p.add_argument("--batch-size", type=integer(1), default=4, help="windows per forward pass (4)")
     p.add_argument("--max-tokens", type=integer(1), help="score at most this many tokens (default: all)")
     p.add_argument("--bos", choices=("auto", "on", "off"), default="auto",
                    help="prepend BOS to every window: auto (default) does what the tokenizer does by default")
@@ -287,9 +288,9 @@ def register(sub, groups) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--baseline", help="reference model (default: the model a saved folder was made from, when that "
                                       "is a bundled or tiny model)")
-    p.add_argument("--batch-size", type=integer(1), default=2)
-    p.add_argument("--seq-len", type=integer(1), default=128)
-    p.add_argument("--repeats", type=integer(1), default=3)
+    p.add_argument("--batch-size", type=integer(1), default=2, help="sequences per timed batch (2)")
+    p.add_argument("--seq-len", type=integer(1), default=128, help="tokens per timed sequence (128)")
+    p.add_argument("--repeats", type=integer(1), default=3, help="timed repeats, the median reported (3)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory passes")
     p.add_argument("--plot", metavar="PNG", help="also draw the time and peak-memory bars, reference beside candidate, "
                    "to this file (none by default: eval commands write no files unless asked)")
@@ -299,15 +300,16 @@ def register(sub, groups) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--train", default="r8-train", help="labelled training set (.tab/.csv/.jsonl or r8-train)")
     p.add_argument("--test", default="r8-test", help="labelled test set (.tab/.csv/.jsonl or r8-test)")
-    p.add_argument("--max-train", type=integer(1), default=2000)
-    p.add_argument("--max-test", type=integer(1), default=1000)
-    p.add_argument("--max-len", type=integer(2), default=128)
+    p.add_argument("--max-train", type=integer(1), default=2000, help="training examples used at most (2000)")
+    p.add_argument("--max-test", type=integer(1), default=1000, help="test examples scored at most (1000)")
+    p.add_argument("--max-len", type=integer(2), default=128, help="tokens per text, truncated (128)")
 
     p = command(sub, "export", run_export, lambda r: f"wrote {r['exported']} (loads with transformers' from_pretrained)",
                 "write a plain transformers folder, where the structure allows")
     p.add_argument("dir", help="a folder saved by mlpsurgery")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
 
     command(sub, "fetch", run_fetch, lambda r: "\n".join(f"{k}: {v}" for k, v in r.items()),
             "cache the bundled models (SmolLM2 de-quantised to safetensors; MiniLM located)")

@@ -562,7 +562,8 @@ def register(sub, groups) -> None:
     p.add_argument("--workdir", help="resumable intermediate state (default: OUT.work, removed on success; a folder "
                                      "you name is kept)")
     p.add_argument("--keep-work", action="store_true", help="keep the work folder after success")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
                    help="capture and phase 1 one decoder layer at a time, read from the checkpoint's safetensors files "
                         "(memory of one layer and its DLR-Net, not the model; each layer on the inputs the locked "
@@ -577,7 +578,7 @@ def register(sub, groups) -> None:
                         "its DLR-Nets, against the original model it records (or --original)")
     p.add_argument("--original", help=f"with --phase2-only: the model the locked folder was made from (default: the "
                                       f"one it records; checked against its fingerprint); {MODEL_HELP}")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the nets' init and every batch draw (0)")
 
     p = command(groups["attack"], "dlr", run_attack, render_attack,
                 "the adaptive attacker: fine-tuning (3 LRs), checkpointing, LoRA, frozen DLR, reverse distillation",
@@ -602,4 +603,4 @@ def register(sub, groups) -> None:
                         "route is estimated from their time); default all")
     p.add_argument("--reverse-steps", type=integer(1), default=200,
                    help="distillation steps per DLR-Net of the reverse route (200)")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the attacker's batches and initialisations (0)")

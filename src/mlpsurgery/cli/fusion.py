@@ -239,16 +239,16 @@ def register(sub, groups) -> None:
                    "the one-shot, data-free compression")
     p.add_argument("--tune-blocks", type=integer(1), default=64, help="token blocks of tune data to use (64)")
     p.add_argument("--tune-steps", type=integer(0), help="tuning steps (default: one epoch over the tune tokens)")
-    p.add_argument("--tune-lr", type=number(0), default=1e-3)
+    p.add_argument("--tune-lr", type=number(0), default=1e-3, help="learning rate of the layer-wise tuning (1e-3)")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per tune block (128)")
     p.add_argument("--importance", choices=("weight", "activation"), default="weight",
                    help="neuron-pruning score (activation needs --tune-data)")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of k-means, sampling and tuning (0)")
     p.add_argument("--n-init", type=integer(1), default=3, help="k-means restarts (3)")
     p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
                    help="model head to load (classifier: a sequence-classification head, give --num-labels)")
-    p.add_argument("--num-labels", type=integer(2))
+    p.add_argument("--num-labels", type=integer(2), help="classes of the classifier head (with --task classifier)")
     p.add_argument("--checkpoint-dir", help="checkpoint folder for the layer-wise tuning (resumes when rerun)")
     p.add_argument("--layerwise", action="store_true",
                    help="read the checkpoint's safetensors one decoder layer at a time (memory: one layer plus the "
@@ -258,7 +258,8 @@ def register(sub, groups) -> None:
                    help="with --layerwise --tune-data: keep the tune data's hidden states on disk (in OUT.work) when "
                         "they, one layer and its captured pairs would pass this many GiB (refused if one layer alone "
                         "does not fit)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
 
     p = command(groups["eval"], "ntk", run_ntk, render_ntk,
                 "Adam-NTK error and MLP output error of MODEL_B (compressed) against MODEL_A (original)")
@@ -275,5 +276,6 @@ def register(sub, groups) -> None:
     p.add_argument("--scope", choices=("model", "mlp", "both"), default="model",
                    help="model: f of the whole model, θ = the MLPs of the layers; mlp: each MLP on its own (f = a "
                    "projection of its output on the original inputs, the paper's Table 1); both")
-    p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"))
+    p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
+                   help="model head to load for both models (auto: from the config)")
     p.add_argument("--seed", type=integer(0), default=0, help="sample choice and the projection vector")

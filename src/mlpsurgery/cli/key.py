@@ -290,19 +290,20 @@ def register(sub, groups) -> None:
     p.add_argument("--layerwise", action="store_true",
                    help="read the locked folder one decoder layer at a time: memory of one layer and the key, not the "
                         "model (the same checks and result; docs/memory.md)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
 
     p = command(groups["attack"], "key", run_attack, render_attack,
                 "attack a CoreLocker-locked model: fine-tune it on a fraction of the training data, prune it; "
                 "report the utility recovered (the paper's Tables 2-3)")
     p.add_argument("model", nargs="?", help="the locked folder (or any MODEL)")
-    p.add_argument("--task", choices=TASKS, default="auto")
+    p.add_argument("--task", choices=TASKS, default="auto", help="model head to load (auto: from the config)")
     p.add_argument("--finetune", default="0.05,0.1", help="fractions of the training data to fine-tune on (0.05,0.1)")
     p.add_argument("--prune", default="0.2,0.4", help="magnitude-pruning sparsities (0.2,0.4)")
     p.add_argument("--trials", type=integer(1), default=3, help="fine-tuning trials, each on a freshly drawn subset (3)")
     p.add_argument("--epochs", type=integer(1), default=3, help="passes over the fine-tuning subset (3)")
-    p.add_argument("--batch-size", type=integer(1), default=16)
-    p.add_argument("--lr", type=number(0), default=5e-5)
+    p.add_argument("--batch-size", type=integer(1), default=16, help="fine-tuning batch size (16)")
+    p.add_argument("--lr", type=number(0), default=5e-5, help="fine-tuning learning rate (5e-5)")
     p.add_argument("--block-len", type=integer(2), default=256, help="LM fine-tuning block length (256)")
     p.add_argument("--data", help="training data: labelled set (r8-train) or corpus (austen)")
     p.add_argument("--eval-data", help="labelled test set for classifiers (r8-test)")

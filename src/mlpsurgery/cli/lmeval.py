@@ -161,7 +161,7 @@ def register(sub, groups) -> None:
     p.add_argument("--limit", type=integer(1), help="at most this many examples per task (quick runs)")
     p.add_argument("--max-length", type=integer(2),
                    help="lm-eval's window of model inputs (default: eval ppl's block length - 1, i.e. 511)")
-    p.add_argument("--batch-size", type=integer(1), default=4)
+    p.add_argument("--batch-size", type=integer(1), default=4, help="requests per forward pass (4)")
     p.add_argument("--num-fewshot", type=integer(0), help="few-shot examples (default: each task's own; ours are 0-shot)")
     p.add_argument("--agreement", action="store_true",
                    help="also score the corpus with measure.perplexity on the same tokens and report the difference")

@@ -211,19 +211,23 @@ def register(sub, groups) -> None:
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")
-    g.add_argument("--objective", choices=("uncertainty", "two_ce", "anchor"), default="uncertainty")
-    g.add_argument("--sampling", choices=("curriculum", "uniform"), default="curriculum")
+    g.add_argument("--objective", choices=("uncertainty", "two_ce", "anchor"), default="uncertainty",
+                   help="uncertainty (default: the paper's eq. 3), two_ce (L(R) + L(r), its Table 1 "
+                        "ablation) or anchor (L(R) only)")
+    g.add_argument("--sampling", choices=("curriculum", "uniform"), default="curriculum",
+                   help="the variant rank's draw: curriculum (default: the pool starts just below the anchor "
+                        "and widens to the lowest rank by --curriculum-end) or uniform")
     g.add_argument("--curriculum-end", type=number(0, 1, low_open=False), default=0.5,
                    help="fraction of training after which every variant rank can be drawn (0.5)")
-    g.add_argument("--lr", type=number(0), default=1e-4)
+    g.add_argument("--lr", type=number(0), default=1e-4, help="learning rate of the training (1e-4)")
     g.add_argument("--log-var-lr", type=number(0), default=1e-2, help="learning rate of the log-variances (1e-2)")
-    g.add_argument("--batch-size", type=integer(1), default=8)
+    g.add_argument("--batch-size", type=integer(1), default=8, help="blocks or texts per training step (8)")
     g.add_argument("--block-len", type=integer(2), help="tokens per LM training block (128); for `sweep` the perplexity "
                                                  "window (256)")
     g.add_argument("--max-len", type=integer(2), default=128, help="truncation of classification texts (128)")
     g.add_argument("--train", choices=("nested", "all"), default="nested",
                    help="nested: only the nested factors (+ a new classification head); all: every parameter")
-    g.add_argument("--seed", type=integer(0), default=0)
+    g.add_argument("--seed", type=integer(0), default=0, help="seed of the data order and rank draws (0)")
     g.add_argument("--checkpoint", help="training checkpoint folder (default DIR.ckpt beside --out; removed after "
                                         "the save; rerun the same command to resume)")
     g.add_argument("--layerwise", action="store_true",

@@ -305,7 +305,8 @@ def register(sub, groups) -> None:
     p.add_argument("--blocks", type=integer(1), default=12, help="R: MLP chunks per layer (12)")
     p.add_argument("--keep", type=integer(1), default=6, help="X: MLP chunks per subnet, kappa = X/R (6)")
     p.add_argument("--attn-keep", type=integer(1), help="KV groups per subnet (default: round(kappa x groups), at least 1)")
-    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
+    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both",
+                   help="what is split into subnets: attention KV groups, MLP chunks or both (default)")
     p.add_argument("--mode", choices=("masked", "true", "hybrid", "dp"), default="masked",
                    help="masked: one process; true / hybrid: one process per worker under `torchrun "
                         "--nproc-per-node S -m mlpsurgery twist train ...`; dp: data-parallel baseline (DDP under "
@@ -317,22 +318,24 @@ def register(sub, groups) -> None:
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per block (128)")
     p.add_argument("--max-blocks", type=integer(1), help="use a random subset of this many training blocks")
     p.add_argument("--lr", type=number(0), default=1e-4, help="AdamW learning rate (1e-4)")
-    p.add_argument("--weight-decay", type=number(0, low_open=False), default=0.0)
+    p.add_argument("--weight-decay", type=number(0, low_open=False), default=0.0, help="AdamW weight decay (0)")
     p.add_argument("--shared-first", type=integer(0), default=2, help="first layers every subnet holds whole (2)")
     p.add_argument("--shared-last", type=integer(0), default=2, help="last layers every subnet holds whole (2)")
     p.add_argument("--common-attn", help="common set C of KV groups, e.g. 0 (default: none)")
     p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the partitions and the data order (0)")
     p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun with the same model, "
                    "data and settings resumes from it, anything else is refused; removed after success)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
 
     p = command(g, "extract", run_extract, render_extract,
                 "deploy one random subnet at kappa = X/R as a physically smaller dense model (no data, no search)")
     p.add_argument("dir", help="a TwIST-trained folder (or any MODEL: a random subnet of it)")
     p.add_argument("--keep", type=integer(1), required=True, help="X: MLP chunks kept per layer (kappa = X/R)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True,
+                   help="folder for the extracted subnet (a plain transformers model where its widths are uniform)")
     p.add_argument("--seed", type=integer(0), default=0, help="which random subnet (0)")
     p.add_argument("--blocks", type=integer(1), help="R (default: as trained, else 12)")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), help="default: as trained, else both")
@@ -344,20 +347,23 @@ def register(sub, groups) -> None:
     p.add_argument("--layerwise", action="store_true",
                    help="one decoder layer in memory at a time (read from the folder's weights file), the same "
                         "subnet: for models larger than RAM")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
 
     p = command(sub, "prune", run_prune, render_prune,
                 "pruning baselines at a given sparsity of the chosen weights: magnitude, Wanda, SparseGPT "
                 "(unstructured), Fisher block pruning and random subnets (structured)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
-    p.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt", "fisher", "random"), required=True)
+    p.add_argument("--method", choices=("magnitude", "wanda", "sparsegpt", "fisher", "random"), required=True,
+                   help="magnitude / wanda / sparsegpt: unstructured or N:M; fisher / random: whole MLP chunks")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--sparsity", type=number(0, 1, low_open=False, high_open=True),
                      help="fraction of the chosen weights removed; for fisher / random: of the blocks per layer")
     how.add_argument("--pattern", metavar="N:M",
                      help="semi-structured sparsity for magnitude / wanda / sparsegpt: N nonzeros in every M "
                           "consecutive inputs of a row (2:4, the format sparse tensor cores serve; 4:8)")
-    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both")
+    p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both",
+                   help="what is split into subnets: attention KV groups, MLP chunks or both (default)")
     p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
     p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher): file, folder, austen (default) / r8")
     p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration blocks (16)")
@@ -371,6 +377,8 @@ def register(sub, groups) -> None:
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")
-    p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--out", required=True)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--seed", type=integer(0), default=0,
+                   help="seed of the calibration blocks' draw and of the random subnets (0)")
+    p.add_argument("--out", required=True, help="folder for the pruned model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a folder mlpsurgery wrote (never one it did not write)")
