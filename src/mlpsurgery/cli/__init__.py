@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import MLPSurgeryError
 
 # Command modules, in the order their commands appear in --help.
-COMMAND_MODULES = ("core", "dlr", "key", "nest", "fusion", "twist", "lmeval", "compare")
+COMMAND_MODULES = ("core", "dlr", "dlr_attack", "key", "nest", "fusion", "twist", "lmeval", "compare")
 GROUPS = {
     "eval": "measure a model: perplexity, accuracy, cost",
     "lock": "lock a model (DLR-Lock against fine-tuning, CoreLocker access key)",
