@@ -19,8 +19,8 @@ and evaluations):
   steps over 512 blocks (dlr-smollm2-phase2-480.json); their earlier stages' seconds are run 5's
 - the defaults in one call (`mlpsurgery lock dlr --out L --workdir W --json`, nothing else given: phase 1 layer by
   layer, 256 captured blocks, 700 x 512 + 233 on-policy steps, then 480 phase-2 steps over 512 blocks):
-  docs/results/dlr-smollm2.json, after phase 1 and after phase 2; scored on 8,192 tokens (the others on 4,096 or
-  8,192: their own `--eval-tokens`); its first 48 phase-2 steps ran eagerly (788 s), the rest compiled
+  docs/results/dlr-smollm2.json, after phase 1 and after phase 2, scored on 8,192 held-out tokens (every point is
+  scored on its own run's `--eval-tokens`); its first 48 phase-2 steps ran eagerly (788 s), the rest compiled
 
 The best lock at each time (the lower envelope) is fitted as ratio - 1 = c * t^-b in log-log, per corpus, and
 extrapolated to ratio 1.10 (Persuasion) / 1.25 (R8): a rough reading of the budget the present recipe would need
