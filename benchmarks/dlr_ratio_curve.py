@@ -66,7 +66,8 @@ def points() -> list[dict]:
         ("start", "phase1", "onpolicy", "phase2"))
     add("run 5's nets + phase 2 (480 steps, 512 blocks)", "dlr-smollm2-phase2-480.json", "phase2",
         ("start", "phase1", "onpolicy", "phase2"))
-    add("the defaults in one call: phase 1 layer by layer", "dlr-smollm2.json", "phase1", ("start", "phase1", "onpolicy"))
+    add("the defaults in one call: phase 1 layer by layer", "dlr-smollm2.json", "phase1",
+        ("start", "phase1", "onpolicy"))
     add("the defaults in one call: + phase 2 (480 steps)", "dlr-smollm2.json", "phase2",
         ("start", "phase1", "onpolicy", "phase2"))
     return sorted(out, key=lambda p: p["seconds"])

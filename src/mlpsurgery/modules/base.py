@@ -2,8 +2,8 @@
 saved model be rebuilt from its manifest (only registered classes are ever constructed).
 
 Like every file of this package, it imports only torch, transformers and mlpsurgery.errors: a folder whose
-structure is not stock carries copies of these files (written by io.save through standalone.py), so that transformers alone
-rebuilds the model. A module's forward and constructor must therefore not need the rest of mlpsurgery.
+structure is not stock carries copies of these files (written by io.save through standalone.py), so that
+transformers alone rebuilds the model. A module's forward and constructor must therefore not need the rest of mlpsurgery.
 """
 
 from __future__ import annotations
