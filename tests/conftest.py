@@ -49,7 +49,8 @@ def edit_manifest(folder, fn):
     would: what load must still catch by its deeper checks."""
     import json
 
-    from mlpsurgery.io import MANIFEST, _digest
+    from mlpsurgery.io import MANIFEST
+    from mlpsurgery.io.manifest import _digest
 
     path = Path(folder) / MANIFEST
     m = json.loads(path.read_text())

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from conftest import outputs
 from mlpsurgery.cli import main
-from mlpsurgery.io import MANIFEST, _digest, load, save
+from mlpsurgery.io import MANIFEST, load, save
+from mlpsurgery.io.manifest import _digest
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
