@@ -12,35 +12,15 @@ from torch import Tensor, nn
 from ...modules.dlr import StackedDLR
 from ...train import FitConfig, FitResult, fit, step_rng
 from .captured import _CapturedSet
+from .compiling import compiled_or_eager
 from .losses import relative_error, token_relative_error
 
 
 def _compiled(net: nn.Module):
     """net's forward through torch.compile (fuses the element-wise RMSNorm / SiLU / residual work between the
-    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/dlr_phase1_step.py), or net itself where
-    compilation is unavailable (no C compiler, unsupported platform): the math is the same."""
-    try:
-        fn = torch.compile(net)
-    except Exception as exc:  # noqa: BLE001 - any failure to set up compilation falls back to eager
-        import warnings
-
-        warnings.warn(f"torch.compile unavailable ({exc}); phase 1 runs eagerly")
-        return net
-    state = {"fn": fn}
-
-    def forward(x: Tensor) -> Tensor:
-        try:
-            return state["fn"](x)
-        except Exception as exc:  # noqa: BLE001 - a backend failure at first call (e.g. no C compiler)
-            if state["fn"] is net:
-                raise
-            import warnings
-
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); phase 1 runs eagerly")
-            state["fn"] = net
-            return net(x)
-
-    return forward
+    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/dlr_phase1_step.py), or net
+    itself where compilation is unavailable (compiling.compiled_or_eager): the math is the same."""
+    return compiled_or_eager(net, "phase 1")
 
 
 def _per_layer_clip(net: StackedDLR, max_norm: float):

@@ -13,6 +13,7 @@ from ...errors import MLPSurgeryError
 from ...measure.perplexity import is_causal_lm
 from ...modules.dlr import DLRNet, dlr_full
 from ...train import FitConfig, fit, step_rng
+from .compiling import compiled_or_eager
 from .config import DLRConfig
 from .losses import _rest_logsumexp, topk_kl
 from .onpolicy import digest
@@ -58,30 +59,16 @@ def _compile_nets(nets: list[DLRNet]) -> None:
     """Point every net's (checkpointed) forward at one torch.compile'd `_delta`: it fuses each block's element-wise
     work, which in eager mode is most of a CPU step's time (per-op overhead on 2 x 256 tokens): 15.2 -> 9.2 s per
     SmolLM2 phase-2 step on 2 threads after a one-off compilation of about 110 s (benchmarks/dlr_phase2_step.py).
-    Eager where compilation fails (no C compiler): the math is the same. `_uncompile_nets` undoes it."""
+    Eager where compilation fails (compiling.compiled_or_eager; only at the first call: past it, the checkpoint's
+    recompute stops by raising through the forward): the math is the same. `_uncompile_nets` undoes it."""
     import functools
-    import warnings
 
-    try:
-        state = {"fn": torch.compile(_delta)}
-    except Exception as exc:  # noqa: BLE001 - any failure to set up compilation falls back to eager
-        warnings.warn(f"torch.compile unavailable ({exc}); phase 2 runs eagerly")
+    fn = compiled_or_eager(_delta, "phase 2", every_call=False)
+    if fn is _delta:  # no compilation: the nets keep their own forward
         return
 
     def delta(net: DLRNet, x: Tensor) -> Tensor:
-        fn = state["fn"]
-        if fn is None:
-            return DLRNet._delta(net, x)
-        if state.get("ran"):  # nothing caught past the first call: the checkpoint's recompute stops by raising
-            return fn(x, net.D, net.U, net.norm, net.alpha, net.eps)
-        try:
-            out = fn(x, net.D, net.U, net.norm, net.alpha, net.eps)
-        except Exception as exc:  # noqa: BLE001 - a backend failure at first call (e.g. no C compiler)
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); phase 2 runs eagerly")
-            state["fn"] = None
-            return DLRNet._delta(net, x)
-        state["ran"] = True
-        return out
+        return fn(x, net.D, net.U, net.norm, net.alpha, net.eps)
 
     for m in nets:
         m._delta = functools.partial(delta, m)  # (an instance attribute: DLRNet.forward's checkpoint calls it)
