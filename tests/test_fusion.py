@@ -12,12 +12,12 @@ from conftest import TEXT, outputs
 from mlpsurgery.cli import main
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.io import export, load, read_manifest, save
-from mlpsurgery.methods.fusion import (METHODS, FusionConfig, _mmd_support, cluster_means, fuse, kmeans,
+from mlpsurgery.methods.fusion import (METHODS, FusionConfig, _mmd_support, cluster_means, fuse, kmeans, mmd_draws,
                                        neuron_vectors, weights_from_neurons)
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.modules.fused import FusedMLP
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import tiny_model
+from mlpsurgery.tiny import ARCHITECTURES, tiny_model
 from mlpsurgery.train import FitConfig, fit, lm_loss
 
 
@@ -213,11 +213,46 @@ def test_every_baseline_hits_its_width_or_weight_count(method, arch):
         assert {r["width"] for r in rep["sites"]} == {k}
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_layer_draws_what_draw_layer_says_so_ranks_that_skip_it_stay_in_step(method):
+    """Under torchrun a rank takes only `draw_layer`'s draws for another rank's layer: compress_site must draw from
+    the run's generator exactly that, for every method, or the layers after it would get other draws than in one
+    process."""
+    from mlpsurgery.methods.fusion import compress_site, draw_layer
+
+    cfg = FusionConfig(width=16, method=method, mmd_steps=2)
+    site = find_sites(tiny_model("llama")).mlp[0]
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    h = site.h
+    if method != "magnitude":  # (fuse prunes for it, drawing nothing)
+        compress_site(site, 16, cfg, a)
+    draw_layer(h, 16, cfg, b)
+    assert torch.equal(a.get_state(), b.get_state())
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_compressed_mlp_sent_to_another_copy_of_the_model_computes_there_what_it_computed(arch):
+    """Rank 0 puts the MLPs other ranks compressed (and tuned) into its copy: the modules arrive whole
+    (`layer_payload` -> `install_layer`), whatever the architecture keeps its MLP in."""
+    import pickle
+
+    from mlpsurgery.methods.fusion.tuning import install_layer, layer_payload
+
+    done, other = tiny_model(arch), tiny_model(arch)
+    fuse(done, FusionConfig(width=8, layers="0"), progress=False)
+    sent = pickle.loads(pickle.dumps(layer_payload(find_sites(done).mlp[0])))
+    install_layer(find_sites(other).mlp[0], sent)
+    assert type(find_sites(other).mlp[0].module) is type(find_sites(done).mlp[0].module)
+    for (n, a), (m, b) in zip(done.state_dict().items(), other.state_dict().items(), strict=True):
+        assert n == m and torch.equal(a, b), n
+
+
 def test_mmd_support_lowers_the_mmd():
     w = find_sites(tiny_model("gpt2")).mlp[0].read()
     vec = neuron_vectors(w)
-    _, start = _mmd_support(vec, 8, 0, 0.01, torch.Generator().manual_seed(0))
-    _, end = _mmd_support(vec, 8, 60, 0.01, torch.Generator().manual_seed(0))
+    _, start = _mmd_support(vec, 8, 0, 0.01, mmd_draws(w.h, 8, torch.Generator().manual_seed(0)))
+    _, end = _mmd_support(vec, 8, 60, 0.01, mmd_draws(w.h, 8, torch.Generator().manual_seed(0)))
     assert end < 0.8 * start
 
 

@@ -130,16 +130,45 @@ def _ids():
     return torch.tensor(byte_tokenizer()(TEXT * 2)["input_ids"][:320]).view(10, 32)
 
 
+def count_kmeans(monkeypatch, tmp_path):
+    """Make every k-means call (in this process and the ranks forked from it) append its rank to a file; returns
+    a reader of the calls per rank."""
+    from mlpsurgery.methods.fusion import compress
+
+    real, log = compress.kmeans, tmp_path / "kmeans.calls"
+
+    def kmeans(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(os.environ.get("RANK", "-") + "\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compress, "kmeans", kmeans)
+
+    def calls() -> dict[str, int]:
+        got = log.read_text().split() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return {r: got.count(r) for r in sorted(set(got))}
+    return calls
+
+
 CASES = [("llama", dict(method="fusion")), ("gpt2", dict(method="neuron", importance="activation")),
-         ("gpt2", dict(method="magnitude"))]
+         ("gpt2", dict(method="magnitude")), ("gpt2", dict(method="cluster")), ("llama", dict(method="sketch")),
+         ("bert", dict(method="mmd", mmd_steps=3)), ("llama", dict(method="random"))]
 
 
-@pytest.mark.parametrize("arch,kw", CASES, ids=["llama-fusion", "gpt2-neuron-activation", "gpt2-magnitude"])
-def test_fuse_tuning_split_over_two_ranks_equals_one_process(tmp_path, arch, kw):
+@pytest.mark.parametrize("arch,kw", CASES, ids=["llama-fusion", "gpt2-neuron-activation", "gpt2-magnitude",
+                                                "gpt2-cluster", "llama-sketch", "bert-mmd", "llama-random"])
+def test_fuse_tuning_split_over_two_ranks_equals_one_process(tmp_path, monkeypatch, arch, kw):
+    """Each rank compresses and tunes its own layers only (k-means too), drawing for the others only what one process
+    draws for them: every layer gets one process's random draws (sketches, MMD starts, random neurons, k-means
+    seeds), so rank 0 gathers one process's model."""
     layers = {"n_layer": 3} if arch == "gpt2" else {"num_hidden_layers": 3}  # rank 0: layers 0 and 2, rank 1: 1
     cfg = FusionConfig(width=16, layers="all", tune_steps=8, tune_lr=3e-3, tune_batch=64, **kw)
+    calls = count_kmeans(monkeypatch, tmp_path)
     model = tiny_model(arch, **layers)
     ref = fuse(model, cfg, tune_data=_ids(), progress=False)
+    clustered = cfg.method in ("fusion", "cluster")
+    assert calls() == ({"-": 3} if clustered else {})
     out = tmp_path / "two.pt"
 
     def target():
@@ -152,6 +181,7 @@ def test_fuse_tuning_split_over_two_ranks_equals_one_process(tmp_path, arch, kw)
 
     results = run_ranks(tmp_path, target)
     assert all(c == 0 for c, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    assert calls() == ({"0": 2, "1": 1} if clustered else {})  # each layer clustered once, by its owner
     two = torch.load(out, weights_only=False)
     rep = two["report"]
     assert rep["world_size"] == 2 and rep["layers"] == ref["layers"] == [0, 1, 2]
@@ -161,6 +191,8 @@ def test_fuse_tuning_split_over_two_ranks_equals_one_process(tmp_path, arch, kw)
     for a, b in zip(ref["sites"], rep["sites"], strict=True):
         for key in ("error_rel", "error_rel_tuned", "nonzero_after"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["layer"], key)
+        assert {k: v for k, v in b.items() if not k.startswith("error")} == \
+            {k: v for k, v in a.items() if not k.startswith("error")}  # (the owner's row: counts, k-means inertia)
     for name, t in model.state_dict().items():
         torch.testing.assert_close(two["state"][name], t, rtol=1e-4, atol=2e-6, msg=name)
     # each rank held its own layers' captured rows and AdamW moments only
@@ -250,10 +282,13 @@ def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_pa
         a[1] = str(src)  # a checkpoint with files, which the layer-by-layer mode reads
         return a
 
+    calls = count_kmeans(monkeypatch, tmp_path)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(argv("one")) == 0
     one = json.loads(buf.getvalue())
+    n = len(one["layers"])
+    assert calls() == {"-": n}
     # the tune stream between layers on disk (as past --max-memory): each rank spills into a folder of its own (they
     # wrote and removed the same file names in one folder before)
     from mlpsurgery import layerwise
@@ -262,6 +297,7 @@ def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_pa
     (c0, log0), (c1, log1) = ranks(tmp_path, argv("two"))
     monkeypatch.undo()
     assert (c0, c1) == (0, 0), log0[-3000:] + log1[-3000:]
+    assert calls() == {"0": (n + 1) // 2, "1": n // 2}  # each layer clustered once, by its owner
     r0 = json.loads(log0[log0.index("{"):log0.rindex("}") + 1])
     r1 = json.loads(log1[log1.index("{"):log1.rindex("}") + 1])
     assert r0["world_size"] == 2 and r1["rank"] == 1 and r1["layers"] == [i for i in one["layers"] if i % 2]

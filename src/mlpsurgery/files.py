@@ -345,13 +345,17 @@ def sha256_file(path: str | Path) -> str:
 # Resumable folders
 
 
-def model_fingerprint(model: nn.Module, skip: Iterable[str] = ()) -> str:
+def model_fingerprint(model: nn.Module, skip: Iterable[str] = (), omit: Iterable[str] = ()) -> str:
     """A digest of a model's class, config and weights (per tensor: name, dtype, shape, the float64 sum and
     sum of squares, and 64 evenly spaced values): enough to tell two models apart, in one pass over memory.
-    `skip`: tensor names whose values do not count (e.g. what a resumed run restores from its checkpoint)."""
+    `skip`: tensor names whose values do not count (e.g. what a resumed run restores from its checkpoint);
+    `omit`: tensor names left out altogether, names and shapes too (modules that differ in kind from one copy of
+    the model to another)."""
     fp = Fingerprint(model, skip)
+    omit = set(omit)
     for name, t in model.state_dict().items():
-        fp.add(name, t)
+        if name not in omit:
+            fp.add(name, t)
     return fp.hexdigest()
 
 

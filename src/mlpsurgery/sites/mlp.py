@@ -138,14 +138,27 @@ class MLPSite:
             return self.read().h
         return _weight(self._mlp_part(self.spec.down)).shape[1]
 
-    def modules(self) -> list[nn.Module]:
-        """The modules that compute the MLP (or its replacement), norms excluded."""
+    def _module_names(self) -> list[str]:
         s = self.spec
         if s.mlp_layout == "module":
-            return [self.module]
+            return [s.mlp]
         if s.mlp_layout == "bert":
-            return [_get(self.layer, "intermediate"), _get(self.layer, s.down)]
-        return [_get(self.layer, s.up), _get(self.layer, s.act), _get(self.layer, s.down)]
+            return ["intermediate", s.down]
+        return [s.up, s.act, s.down]
+
+    def modules(self) -> list[nn.Module]:
+        """The modules that compute the MLP (or its replacement), norms excluded."""
+        return [_get(self.layer, n) for n in self._module_names()]
+
+    def set_modules(self, modules: list[nn.Module]) -> None:
+        """Put `modules` where `modules()` finds them: another copy's MLP (e.g. one compressed on another rank)
+        installed whole, its class, parameters and buffers with it."""
+        names = self._module_names()
+        if len(modules) != len(names):
+            raise MLPSurgeryError(f"layer {self.index}: the MLP is {len(names)} modules here ({names}), "
+                                  f"given {len(modules)}")
+        for name, mod in zip(names, modules):
+            _set(self.layer, name, mod)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of the MLP (or its replacement), not of the norms around it."""

@@ -50,7 +50,7 @@ from ...errors import MLPSurgeryError
 from ...io import record
 from ...sites import find_sites, parse_layers
 from ..pruning import magnitude_prune
-from .compress import _mmd_support, compress_site
+from .compress import _mmd_support, compress_site, draw_layer, mmd_draws
 from .config import DEFAULT_LAYERS, METHODS, FusionConfig
 from .kmeans import KMeansResult, kmeans
 from .neurons import cluster_means, neuron_vectors, weights_from_neurons
@@ -58,8 +58,8 @@ from .probes import _ErrorProbes, count_after
 from .tuning import _gather_layers, site_params, split_share, tune_layers
 
 __all__ = ["DEFAULT_LAYERS", "METHODS", "FusionConfig", "KMeansResult", "_mmd_support", "cluster_means",
-           "compress_site", "count_after", "fuse", "kmeans", "layers_and_width", "neuron_vectors", "site_params",
-           "split_share", "tune_layers", "weights_from_neurons"]
+           "compress_site", "count_after", "draw_layer", "fuse", "kmeans", "layers_and_width", "mmd_draws",
+           "neuron_vectors", "site_params", "split_share", "tune_layers", "weights_from_neurons"]
 
 
 def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
@@ -85,11 +85,12 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
     model's history (saved by mlpsurgery.save).
 
-    Under torchrun (N ranks, every one holding the same model and data) the layer-wise tuning is split by layer,
-    as DLR-Lock's phase 1 is: rank r captures and tunes layers r, r+N, ... of the chosen ones (the captured
-    activations, gradients and AdamW moments of its layers only: the tuning's memory), every rank compresses
-    every layer as one process does (the same arithmetic, the same random draws), and rank 0 gathers the tuned
-    layers and the report; the model on the other ranks is left with only their own layers tuned."""
+    Under torchrun (N ranks, every one holding the same model and data) the work is split by layer, as DLR-Lock's
+    phase 1 is: rank r captures, compresses and tunes layers r, r+N, ... of the chosen ones (the k-means, the
+    captured activations, gradients and AdamW moments of its layers only), taking for the other layers only their
+    random draws (`draw_layer`), so that its generator gives each of its layers what one process draws for it;
+    rank 0 gathers the compressed, tuned layers and the report rows. The model on the other ranks is left with
+    only their own layers compressed."""
     from ... import parallel
     from ...files import model_fingerprint
 
@@ -106,23 +107,23 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
         parallel.same_on_every_rank("models, data or settings",
                                     {"model": model_fingerprint(model), "data": digest, "fusion": asdict(cfg)})
     capture = None
-    if tune_data is not None:  # neurons scored by their activations: every layer's inputs, until compressed
-        scored = cfg.importance == "activation" and cfg.method == "neuron"
-        capture = capture_mlp_io(model, tune_data, layers=layers if scored else own, progress=progress)
+    if tune_data is not None:  # this rank's layers' MLP inputs and outputs in the original model
+        capture = capture_mlp_io(model, tune_data, layers=own, progress=progress)
     gen = torch.Generator().manual_seed(cfg.seed)
     probes = _ErrorProbes(sites, layers, capture, cfg.seed)
     rows = []
     for i in tqdm(layers, desc=f"{cfg.method}", unit="layer", disable=not progress):
+        if i not in own:  # another rank's (under torchrun): only its draws, to keep this rank's generator in step
+            draw_layer(sites.mlp[i].h, k, cfg, gen)
+            continue
         x = capture.layer(i)[0] if capture is not None and cfg.importance == "activation" else None
         probes.before(i)
         # k-means restarts get their own bar under the layers' bar (seconds each on a real model)
         rows.append(compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress))
         if cfg.method == "magnitude":
             rows[-1]["pruning"] = magnitude_prune(model, 1.0 - k / rows[-1]["h"], parts="ffn", layers=[i])
-        if i in own:
-            rows[-1]["error_rel"] = probes.error(i)
-    for r in rows:
-        count_after(sites.mlp[r["layer"]], r)
+        rows[-1]["error_rel"] = probes.error(i)
+        count_after(sites.mlp[i], rows[-1])
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg), "sites": rows,
               "error_inputs": probes.description}
     if capture is not None:
@@ -131,10 +132,9 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
                                        settings={"data": digest, "data_shape": list(tune_data.shape)},
                                        partition=layers if world > 1 else None)
         for r in rows:
-            if r["layer"] in own:
-                r["error_rel_tuned"] = probes.error(r["layer"])
+            r["error_rel_tuned"] = probes.error(r["layer"])
     if world > 1:
-        _gather_layers(sites, rows, own)
+        report["sites"] = _gather_layers(sites, rows, own) or rows
         report["world_size"] = world
     record(model, "fusion", asdict(cfg), width=k, layers=layers,
            tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)

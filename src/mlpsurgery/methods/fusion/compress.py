@@ -23,12 +23,41 @@ def _mlp_input(site: MLPSite, x: Tensor) -> Tensor:
     return site.pre_norm(x) if site.pre_norm is not None else x
 
 
-def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float, gen: torch.Generator) -> tuple[Tensor, float]:
+def draw_layer(h: int, k: int, cfg: FusionConfig, gen: torch.Generator) -> dict:
+    """Everything `compress_site` draws from the run's generator `gen` for one MLP of inner width h compressed to
+    k, in the order it draws it: the k-means seed (fusion, cluster), the sketch S (h, k), the MMD's median
+    subsample and starting neurons, the random neurons kept; nothing for svd, magnitude and neuron. The draws
+    depend on (h, k, cfg) alone, never on the weights, so a rank that leaves a layer to another under torchrun
+    takes them without the layer's work (k-means): its generator stays one process's for the layers after."""
+    method = cfg.method
+    if method in ("fusion", "cluster"):
+        return {"kmeans_seed": int(torch.randint(2**31 - 1, (1,), generator=gen))}
+    if method == "sketch":
+        return {"sketch": torch.randn(h, k, generator=gen, dtype=torch.float64) / math.sqrt(k)}
+    if method == "mmd":
+        return {"mmd": mmd_draws(h, k, gen)}
+    if method == "random":
+        return {"keep": torch.randperm(h, generator=gen)[:k].sort().values}
+    return {}
+
+
+def mmd_draws(h: int, k: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """The MMD support's random choices among h neurons: the (up to 1,024) whose distances set the kernels'
+    median bandwidth, and the k it starts from."""
+    return torch.randperm(h, generator=gen)[:min(h, 1024)], torch.randperm(h, generator=gen)[:k]
+
+
+def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float,
+                 draws: tuple[Tensor, Tensor]) -> tuple[Tensor, float]:
     """k support vectors minimising MMD² to the empirical distribution of `vectors` (h, dim), with a sum of
-    Gaussian kernels at 0.5, 1 and 2 times the median squared distance. Initialised at k random neurons."""
+    Gaussian kernels at 0.5, 1 and 2 times the median squared distance. Initialised at k random neurons.
+    draws: `mmd_draws(h, k, gen)`."""
     x = vectors.float()
     x_sq = x.pow(2).sum(1)
-    sub = x[torch.randperm(len(x), generator=gen)[:min(len(x), 1024)].to(x.device)]
+    pick, start = draws
+    if len(start) != k:
+        raise MLPSurgeryError(f"internal: MMD drawn for {len(start)} support vectors, asked for {k}")
+    sub = x[pick.to(x.device)]
     med = float(_sq_dist(sub, sub.pow(2).sum(1), sub).median().clamp_min(1e-12))
     gammas = [1.0 / (s * med) for s in (0.5, 1.0, 2.0)]
 
@@ -37,7 +66,7 @@ def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float, gen: torch.Gene
         return sum(torch.exp(-g * d) for g in gammas)
 
     k_xx = float(kern(x, x_sq, x).mean())
-    y = nn.Parameter(x[torch.randperm(len(x), generator=gen)[:k].to(x.device)].clone())
+    y = nn.Parameter(x[start.to(x.device)].clone())
     scale = float(x.std())
     opt = torch.optim.Adam([y], lr=lr * scale)
     mmd = float("nan")
@@ -86,18 +115,20 @@ def _svd_(site: MLPSite, k: int, h: int) -> list[dict]:
 def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator,
                   x: Tensor | None = None, progress: bool = False) -> dict:
     """Compress one MLP with cfg.method to width k (in place, through the site). x: captured MLP inputs
-    (only for importance='activation'). Returns what was done (for the report)."""
+    (only for importance='activation'). Returns what was done (for the report). Draws from `gen` what
+    `draw_layer` draws, and nothing else."""
     w = site.read()
     h = w.h
     if not 1 <= k <= h:
         raise MLPSurgeryError(f"layer {site.index}: width must be between 1 and the MLP's inner width {h}, got {k}")
+    drawn = draw_layer(h, k, cfg, gen)
     info: dict = {"layer": site.index, "h": h, "width": k, "params_before": w.num_params()}
     device = torch.device(cfg.device) if cfg.device else w.up.device
     method = cfg.method
     if method in ("fusion", "cluster"):
         vec = neuron_vectors(w).float()
         km = kmeans(vec, k, n_init=cfg.n_init, max_iter=cfg.max_iter, tol=cfg.tol,
-                    seed=int(torch.randint(2**31 - 1, (1,), generator=gen)), device=device, progress=progress)
+                    seed=drawn["kmeans_seed"], device=device, progress=progress)
         centroids, P = cluster_means(vec.to(km.labels.device), km.labels, k)
         fused = weights_from_neurons(centroids.to(w.up.device), w)
         info.update(inertia=km.inertia, kmeans_iterations=km.n_iter,
@@ -113,11 +144,10 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
                                                   "down": fused.down * root[None, :]})
             module = DenseMLP.from_weights(fused)
     elif method == "sketch":
-        S = torch.randn(h, k, generator=gen, dtype=torch.float64) / math.sqrt(k)  # (h, k)
-        rows = S.T.to(device) @ neuron_vectors(w).double().to(device)  # Sᵀ W: (k, dim)
+        rows = drawn["sketch"].T.to(device) @ neuron_vectors(w).double().to(device)  # Sᵀ W: (k, dim)
         module = DenseMLP.from_weights(weights_from_neurons(rows.to(w.up.device), w))
     elif method == "mmd":
-        rows, mmd = _mmd_support(neuron_vectors(w).to(device), k, cfg.mmd_steps, cfg.mmd_lr, gen)
+        rows, mmd = _mmd_support(neuron_vectors(w).to(device), k, cfg.mmd_steps, cfg.mmd_lr, drawn["mmd"])
         sw = weights_from_neurons(rows.to(w.up.device), w)
         module = DenseMLP.from_weights(dataclasses.replace(sw, down=sw.down * (h / k)))
         info["mmd2"] = mmd
@@ -126,7 +156,7 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
             xin = None if x is None else _mlp_input(site, x.to(w.up))
             keep = _importance(w, xin).argsort(descending=True)[:k].sort().values
         else:
-            keep = torch.randperm(h, generator=gen)[:k].sort().values
+            keep = drawn["keep"]
         module = DenseMLP.from_weights(w.select(keep))
         info["kept_neurons"] = keep.tolist() if k <= 64 else f"{k} of {h}"
     elif method == "svd":

@@ -16,13 +16,14 @@ own MLP alone, so tuning it alone takes the same steps on the same rows; what di
 model is the gradient-norm clip, which there is one norm over every tuned layer and here each layer's own (equal
 where the clip does not act; tested).
 
-Under torchrun (tune data required) the tuning is split by layer, as `fuse` splits it on the whole model: every rank
-reads every layer and runs the tune stream through it, compresses every chosen layer (the same arithmetic and the
-same generator as one process, so every rank's draws stay those of one process), but captures and tunes only its
-share (rank r: the chosen layers r, r + N, ...); the owner of a layer sends its tuned MLP's tensors, its error
-measurements and its tuning report to rank 0 (`parallel.send_to`), which writes the folder in layer order. Each
-layer is tuned alone in either case, so N ranks write what one process writes (tested bit for bit). Every rank
-holds one layer, its captured pairs and the stream, never the model.
+Under torchrun (tune data required) the work is split by layer, as `fuse` splits it on the whole model: every rank
+reads every layer and runs the tune stream through it, but captures, compresses and tunes only its share (rank r:
+the chosen layers r, r + N, ...), taking for the others only their random draws (`draw_layer`: so its generator
+gives each of its layers what one process draws for it); the owner of a layer sends its compressed, tuned MLP, its
+report row and its tuning report to rank 0 (`parallel.send_to`), which puts the MLP in its copy of the layer and
+writes the folder in layer order. Each layer is tuned alone in either case, so N ranks write what one process
+writes (tested bit for bit). Every rank holds one layer, its captured pairs and the stream, never the model; the
+k-means of the layers is split over the ranks with the rest.
 
 Not here (refused before anything is read or written): the magnitude baseline, whose masks the pruning commands'
 own layer-sequential mode writes (`prune --layerwise`).
@@ -47,10 +48,10 @@ from ...layerwise import LayerStream, digest_chain, rewrite
 from ...measure.cost import count_params
 from ...sites import find_sites
 from . import layers_and_width
-from .compress import compress_site
+from .compress import compress_site, draw_layer
 from .config import FusionConfig
 from .probes import _ErrorProbes, count_after
-from .tuning import split_share, tune_layers
+from .tuning import install_layer, layer_payload, split_share, tune_layers
 
 CAPTURE_BATCH = 8  # blocks per forward, as capture_mlp_io runs them (the chunks are the same)
 
@@ -146,41 +147,34 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
             stream_on(i)
         if i not in layers:
             return
-        mine = i in own
-        x = caps.layer(i)[0] if mine and tune and cfg.importance == "activation" else None
-        if mine:
-            probes.before(i)
-        # every rank compresses every chosen layer: the generator's draws stay one process's (a layer another rank
-        # owns is compressed for them and for its structure, then takes the owner's tuned tensors on rank 0; neuron
-        # importance from activations draws nothing, so there it is scored by weight, and replaced the same way)
-        row = compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress and mine)
-        if mine:
-            row["error_rel"] = probes.error(i)
-            count_after(sites.mlp[i], row)
-            part = None
-            if tune:
-                part = tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress)
-                row["error_rel_tuned"] = probes.error(i)
-                del caps.by_layer[i]
-                shutil.rmtree(workdir / f"layer{i:03d}")
-            if rank != 0:  # to rank 0, which writes the folder (it takes them in layer order)
+        if i not in own:  # another rank's: only its draws, to keep this rank's generator in step
+            draw_layer(sites.mlp[i].h, k, cfg, gen)
+            if rank == 0:  # the owner's compressed, tuned MLP in place of this copy, to be written
+                j, modules, row, part = parallel.recv_from(owner[i])
+                if j != i:
+                    raise MLPSurgeryError(f"internal: rank 0 expected layer {i} from rank {owner[i]}, got layer {j}")
+                install_layer(sites.mlp[i], modules)
+                rows.append(row)
                 if part is not None:
-                    tuning.append(part)  # (this rank's report)
-                parallel.send_to((i, [{n: t.detach().cpu() for n, t in m.state_dict().items()}
-                                      for m in sites.mlp[i].modules()], row, part), 0)
-                return
-        elif rank == 0:
-            j, states, row, part = parallel.recv_from(owner[i])
-            if j != i:
-                raise MLPSurgeryError(f"internal: rank 0 expected layer {i} from rank {owner[i]}, got layer {j}")
-            with torch.no_grad():
-                for m, state in zip(sites.mlp[i].modules(), states):
-                    m.load_state_dict(state)
-        else:
+                    tuning.append(part)
+            return
+        x = caps.layer(i)[0] if tune and cfg.importance == "activation" else None
+        probes.before(i)
+        row = compress_site(sites.mlp[i], k, cfg, gen, x=x, progress=progress)
+        row["error_rel"] = probes.error(i)
+        count_after(sites.mlp[i], row)
+        part = None
+        if tune:
+            part = tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress)
+            row["error_rel_tuned"] = probes.error(i)
+            del caps.by_layer[i]
+            shutil.rmtree(workdir / f"layer{i:03d}")
+        if part is not None:
+            tuning.append(part)  # (on a rank other than 0: this rank's report)
+        if rank != 0:  # to rank 0, which writes the folder (it takes them in layer order)
+            parallel.send_to((i, layer_payload(sites.mlp[i]), row, part), 0)
             return
         rows.append(row)
-        if part is not None:
-            tuning.append(part)
 
     rewrite(stream, out, work, f"{cfg.method} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
             inputs=[*inputs, *([top] if top is not None else [])], source_name=source_name,

@@ -3,6 +3,7 @@ split by layer under torchrun."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict
 
@@ -20,6 +21,25 @@ def site_params(model: nn.Module, layers: list[int]) -> dict[str, nn.Parameter]:
     names = {id(p): n for n, p in model.named_parameters()}
     sites = find_sites(model)
     return {names[id(p)]: p for i in layers for p in sites.mlp[i].parameters()}
+
+
+def site_tensor_names(model: nn.Module, layers: list[int]) -> list[str]:
+    """The state-dict names of everything the MLPs at `layers` hold now (parameters and buffers: cluster sizes,
+    masks), whatever module computes them."""
+    prefix = {id(m): n for n, m in model.named_modules()}
+    sites = find_sites(model)
+    return [f"{prefix[id(m)]}.{name}" for i in layers for m in sites.mlp[i].modules() for name in m.state_dict()]
+
+
+def every_rank_params(model: nn.Module, own: list[int], layers: list[int]) -> list[str]:
+    """Under torchrun, where each rank compressed only its share `own` of `layers`: the names of every rank's
+    tuned parameters in one process's order (layer by layer), each rank's named from its own compressed MLPs."""
+    from ... import parallel
+
+    by_layer = {}
+    for part in parallel.all_gather({i: list(site_params(model, [i])) for i in own}):
+        by_layer.update(part)
+    return [n for i in layers for n in by_layer[i]]
 
 
 def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig, progress: bool = True,
@@ -43,7 +63,7 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     perm = torch.randperm(n, generator=step_rng(cfg.seed, 0, stream=7))
     device = next(model.parameters()).device
     params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
-    every = site_params(model, partition) if partition is not None else params
+    every = every_rank_params(model, layers, partition) if partition is not None else list(params)
     frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
     for p in frozen:
         p.requires_grad_(False)
@@ -73,12 +93,14 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     was = model.training
     model.train()
     try:
+        # the model without the tuned layers' MLPs (each rank holds only its own share compressed): the rest of
+        # the model, and the compression, which follows from the settings
         identity = None if checkpoint_dir is None else {
-            "model": model_fingerprint(model, skip=every), "layers": partition or layers, "fusion": asdict(cfg),
-            **(settings or {})}
+            "model": model_fingerprint(model, omit=site_tensor_names(model, partition or layers)),
+            "layers": partition or layers, "fusion": asdict(cfg), **(settings or {})}
         res = fit(params, loss_fn, FitConfig(steps=steps, lr=cfg.tune_lr, seed=cfg.seed, log_every=10),
                   checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity,
-                  partition=None if partition is None else list(every))
+                  partition=None if partition is None else every)
     finally:
         model.train(was)
         for p in frozen:
@@ -89,24 +111,36 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
             "seconds": res.seconds, "memory": {**res.memory, "captured_bytes": captured}}
 
 
-def _gather_layers(sites, rows: list[dict], own: list[int]) -> None:
-    """Under torchrun: rank 0 takes every other rank's tuned layers (their modules' full state, in place of its own
-    untuned copies) and their error measurements into `rows`."""
+def layer_payload(site) -> list[nn.Module]:
+    """A compressed MLP's modules as another rank takes them (`install_layer`): copies on the CPU, with their
+    parameters and buffers (cluster sizes, masks); a copy leaves tensor hooks behind (a mask's gradient hook is
+    put back by its module's pre-hook at the next forward that can build a graph)."""
+    return [copy.deepcopy(m).cpu() for m in site.modules()]
+
+
+def install_layer(site, modules: list[nn.Module]) -> None:
+    """Put a compressed MLP another rank sent (`layer_payload`) in place of this rank's copy of the layer, on the
+    device the layer is on."""
+    device = next(site.layer.parameters()).device
+    site.set_modules([m.to(device) for m in modules])
+
+
+def _gather_layers(sites, rows: list[dict], own: list[int]) -> list[dict] | None:
+    """Under torchrun, where each rank compressed and tuned its share `own` of the layers: rank 0 takes every
+    other rank's layers (their compressed, tuned modules, installed in place of its untouched copies) and report
+    rows, and returns every layer's row in layer order; None on the other ranks (a collective)."""
     from ... import parallel
 
-    mine = {i: ([{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in sites.mlp[i].modules()],
-                {k: r[k] for k in ("error_rel", "error_rel_tuned") if k in r})
-            for r in rows if (i := r["layer"]) in own}
+    mine = {r["layer"]: (layer_payload(sites.mlp[r["layer"]]), r) for r in rows if r["layer"] in own}
     got = parallel.gather_to_rank0(mine)
     if got is None:
-        return
-    by_layer = {r["layer"]: r for r in rows}
-    with torch.no_grad():
-        for part in got[1:]:
-            for i, (states, errors) in part.items():
-                for m, state in zip(sites.mlp[i].modules(), states):
-                    m.load_state_dict(state)
-                by_layer[i].update(errors)
+        return None
+    every = {r["layer"]: r for r in rows}
+    for part in got[1:]:
+        for i, (modules, row) in part.items():
+            install_layer(sites.mlp[i], modules)
+            every[i] = row
+    return [every[i] for i in sorted(every)]
 
 
 def split_share(layers: list[int], tuned: bool) -> list[int]:
