@@ -9,7 +9,8 @@ difference between the two saved models' weights.
 layers' captured activations, trained parameters, gradients and AdamW moments, its peak resident memory, the wall
 time; the tuning's MSE before / after and every layer's error in both runs, and the largest weight difference.
 With --layerwise both runs read the checkpoint one layer at a time (`fuse --layerwise`; the memory columns are then
-those of the largest single layer's tuning).
+those of the largest single layer's tuning). --before SRC: the torchrun command of an earlier checkout too, and its
+folder's largest weight difference from this checkout's.
 --what attack: `mlpsurgery attack dlr LOCKED` (its fine-tuning runs sharded with FSDP2; a locked folder made by
 `mlpsurgery lock dlr`, --locked). Per attack run: one rank's step peak memory and seconds against one process's, the
 training and held-out losses of both; per process: what it holds between the runs, its peak resident memory after
@@ -28,9 +29,10 @@ the checkpoint one layer at a time (phase 1 split by layer over the ranks, its o
 
     python benchmarks/fsdp.py --what nest [--model smollm2] [--steps 8] [--ranks 2] \
         --json docs/results/fsdp-smollm2.json --md docs/results/fsdp-smollm2.md
-    python benchmarks/fsdp.py --what fuse --json docs/results/fsdp-fuse-smollm2.json --md docs/results/fsdp-fuse-smollm2.md
-    python benchmarks/fsdp.py --what fuse --layerwise --json docs/results/fsdp-fuse-layerwise-smollm2.json \
-        --md docs/results/fsdp-fuse-layerwise-smollm2.md
+    python benchmarks/fsdp.py --what fuse [--before OLD/src] --json docs/results/fsdp-fuse-smollm2.json \
+        --md docs/results/fsdp-fuse-smollm2.md
+    python benchmarks/fsdp.py --what fuse --layerwise [--before OLD/src] \
+        --json docs/results/fsdp-fuse-layerwise-smollm2.json --md docs/results/fsdp-fuse-layerwise-smollm2.md
     python benchmarks/fsdp.py --what attack --locked runs/dlr/smollm2-p2-480 --json docs/results/fsdp-attack-smollm2.json \
         --md docs/results/fsdp-attack-smollm2.md
     python benchmarks/fsdp.py --what lock-dlr --json docs/results/fsdp-dlr-smollm2.json --md docs/results/fsdp-dlr-smollm2.md
@@ -147,8 +149,12 @@ def render_fuse(res: dict) -> str:
     mib = 2 ** 20
     rows = ["| run | process | captured activations | trained params | gradients | AdamW moments | peak RSS | wall |",
             "|---|---|---|---|---|---|---|---|"]
-    for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
-                              (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])):
+    runs = [("one process", res["one"], res["one_seconds"]),
+            (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])]
+    if res.get("before"):
+        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']})", res["before"],
+                     res["before_seconds"]))
+    for name, procs, wall in runs:
         for p in procs:
             m = p["memory"]
             rows.append(f"| {name} | rank {p['rank']} | {m['captured_bytes'] / mib:.0f} MiB | "
@@ -168,7 +174,11 @@ def render_fuse(res: dict) -> str:
         f"{b['tuning']['mse_after']:.6f} under torchrun.",
         f"Largest per-layer difference of the relative output error: one-shot {err('error_rel'):.1e}, tuned "
         f"{err('error_rel_tuned'):.1e}; largest difference between the two saved models' weights: "
-        f"{res['max_weight_diff']:.1e}."]) + "\n"
+        f"{res['max_weight_diff']:.1e}." + (
+            f" The torchrun folder against the one written before ({res['before_label']}): largest weight "
+            f"difference {res['before_weight_diff']:.1e}; wall {res['sharded_seconds']:.0f} s against "
+            f"{res['before_seconds']:.0f} s ({res['sharded_seconds'] / res['before_seconds']:.2f}x)."
+            if res.get("before") else "")]) + "\n"
 
 
 ATTACK = ["--attacks", "finetune,checkpointing,lora", "--lrs", "1e-4", "--steps", "6", "--batch", "2",
@@ -320,7 +330,21 @@ def bench_fuse(args, work: Path) -> dict:
             "sharded": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"],
                                 "memory": o["tuning"]["memory"]} for o in sharded), key=lambda p: p["rank"]),
             "report_one": one[0], "report_sharded": main0,
-            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
+            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded")), **_before(args, common, work)}
+
+
+def _before(args, common: list[str], work: Path) -> dict:
+    """--before SRC: the same torchrun command from an earlier checkout, its ranks' peaks and memory, its wall time,
+    and the largest weight difference of its folder from this checkout's torchrun folder."""
+    if not args.before:
+        return {}
+    before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
+                           "before", src=args.before)
+    return {"before": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"],
+                               "memory": o["tuning"]["memory"]} for o in before), key=lambda p: p["rank"]),
+            "before_seconds": before_s, "before_label": args.before_label or args.before,
+            "before_weight_diff": _max_diff(str(work / "before"), str(work / "sharded"))}
 
 
 def bench_attack(args, work: Path) -> dict:
@@ -422,8 +446,9 @@ def main() -> None:
     ap.add_argument("--what", choices=["nest", "lock-dlr", "phase2-only", "fuse", "attack"], default="nest")
     ap.add_argument("--locked", help="--what attack / phase2-only: a folder written by `mlpsurgery lock dlr` (for "
                                      "phase2-only with --phase2-steps 0; default: one made at a small budget)")
-    ap.add_argument("--before", metavar="SRC", help="--what phase2-only / attack: also run the torchrun command "
-                                                     "from this mlpsurgery source folder (an earlier commit's src/)")
+    ap.add_argument("--before", metavar="SRC", help="--what phase2-only / attack / fuse: also run the torchrun "
+                                                     "command from this mlpsurgery source folder (an earlier commit's "
+                                                     "src/)")
     ap.add_argument("--before-label", help="how the table names --before (e.g. the commit)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=8)

@@ -172,11 +172,17 @@ def test_fuse_tuning_split_over_two_ranks_equals_one_process(tmp_path, monkeypat
     out = tmp_path / "two.pt"
 
     def target():
+        from mlpsurgery.sites import find_sites
+
         parallel.init("cpu")
         m = tiny_model(arch, **layers)
         rep = fuse(m, cfg, tune_data=_ids(), progress=False)
         if parallel.world()[0] == 0:
             torch.save({"report": rep, "state": m.state_dict()}, out)
+        else:  # rank 1 gave back the memory of the MLPs it left to rank 0
+            mlp = find_sites(m).mlp
+            assert all(p.is_meta for i in (0, 2) for p in mlp[i].parameters())
+            assert not any(p.is_meta for p in mlp[1].parameters())
         return 0
 
     results = run_ranks(tmp_path, target)
@@ -266,8 +272,8 @@ def test_a_rank_that_finds_no_checkpoint_is_refused_not_run_out_of_step(tmp_path
 
 
 def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path, monkeypatch):
-    """`torchrun ... fuse --layerwise --tune-data`: every rank reads one layer at a time, compresses every chosen
-    layer and tunes its share; rank 0 takes the others' tuned layers and writes the folder. Each layer is tuned
+    """`torchrun ... fuse --layerwise --tune-data`: every rank reads one layer at a time, compresses (k-means) and
+    tunes its share of the chosen layers; rank 0 takes the others' compressed, tuned layers and writes the folder. Each layer is tuned
     alone either way, so the folder is one process's `fuse --layerwise` bit for bit (tensors, manifest; the report's
     errors within float summation); neither rank loads the model whole. Refused on every rank as the whole-model
     split refuses it: more ranks than compressed layers."""

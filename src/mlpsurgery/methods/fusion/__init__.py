@@ -88,9 +88,10 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     Under torchrun (N ranks, every one holding the same model and data) the work is split by layer, as DLR-Lock's
     phase 1 is: rank r captures, compresses and tunes layers r, r+N, ... of the chosen ones (the k-means, the
     captured activations, gradients and AdamW moments of its layers only), taking for the other layers only their
-    random draws (`draw_layer`), so that its generator gives each of its layers what one process draws for it;
-    rank 0 gathers the compressed, tuned layers and the report rows. The model on the other ranks is left with
-    only their own layers compressed."""
+    random draws (`draw_layer`), so that its generator gives each of its layers what one process draws for it,
+    and giving back the memory of their original MLPs (moved to the meta device); rank 0 gathers the compressed,
+    tuned layers and the report rows. The model on the other ranks is left with their own layers compressed and
+    the others' MLPs on the meta device (it is not to be run)."""
     from ... import parallel
     from ...files import model_fingerprint
 
@@ -115,6 +116,8 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     for i in tqdm(layers, desc=f"{cfg.method}", unit="layer", disable=not progress):
         if i not in own:  # another rank's (under torchrun): only its draws, to keep this rank's generator in step
             draw_layer(sites.mlp[i].h, k, cfg, gen)
+            for m in sites.mlp[i].modules():  # its original MLP, captured by its owner, is not needed here: given
+                m.to("meta")  # back (rank 0 puts the owner's compressed, tuned MLP in its place)
             continue
         x = capture.layer(i)[0] if capture is not None and cfg.importance == "activation" else None
         probes.before(i)

@@ -119,9 +119,9 @@ def layer_payload(site) -> list[nn.Module]:
 
 
 def install_layer(site, modules: list[nn.Module]) -> None:
-    """Put a compressed MLP another rank sent (`layer_payload`) in place of this rank's copy of the layer, on the
-    device the layer is on."""
-    device = next(site.layer.parameters()).device
+    """Put a compressed MLP another rank sent (`layer_payload`) in place of this rank's copy of the layer's MLP (which
+    may have been given back to the meta device), on the device the rest of the layer is on."""
+    device = next((p.device for p in site.layer.parameters() if p.device.type != "meta"), torch.device("cpu"))
     site.set_modules([m.to(device) for m in modules])
 
 
