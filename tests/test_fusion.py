@@ -282,6 +282,25 @@ def test_tuning_lowers_the_layer_error_and_trains_only_the_compressed_mlps(token
     assert all(torch.equal(s.module.P, s.module.P.round()) for s in find_sites(model).mlp)
 
 
+def test_a_tuning_checkpoint_resumes_only_onto_the_same_compression(tokenizer, tmp_path, monkeypatch):
+    """The tuning's checkpoint restores the compressed MLPs' parameters, not what the compression fixed beside them
+    (cluster sizes P, masks): a resume onto other clusters (k-means run otherwise, e.g. on another machine) would
+    pair the saved weights with the wrong P. It is refused; the same compression resumes."""
+    from mlpsurgery.methods.fusion import compress
+
+    ids = torch.tensor(tokenizer(TEXT * 4)["input_ids"][:320]).view(10, 32)
+    cfg = FusionConfig(width=8, layers="all", tune_steps=4, tune_batch=16)
+    ck = tmp_path / "ck"
+    done = fuse(tiny_model("llama"), cfg, tune_data=ids, progress=False, checkpoint_dir=ck)
+    real = compress.kmeans
+    monkeypatch.setattr(compress, "kmeans", lambda *a, seed, **kw: real(*a, seed=seed + 1, **kw))
+    with pytest.raises(MLPSurgeryError, match="other settings or another model .*compressed"):
+        fuse(tiny_model("llama"), cfg, tune_data=ids, progress=False, checkpoint_dir=ck)
+    monkeypatch.undo()
+    again = fuse(tiny_model("llama"), cfg, tune_data=ids, progress=False, checkpoint_dir=ck)
+    assert again["tuning"]["mse_after"] == done["tuning"]["mse_after"]
+
+
 def test_activation_importance_and_tuned_magnitude_keep_zeros(tokenizer):
     model = tiny_model("gpt2")
     ids = torch.tensor(tokenizer(TEXT * 4)["input_ids"][:256]).view(8, 32)

@@ -31,15 +31,35 @@ def site_tensor_names(model: nn.Module, layers: list[int]) -> list[str]:
     return [f"{prefix[id(m)]}.{name}" for i in layers for m in sites.mlp[i].modules() for name in m.state_dict()]
 
 
-def every_rank_params(model: nn.Module, own: list[int], layers: list[int]) -> list[str]:
-    """Under torchrun, where each rank compressed only its share `own` of `layers`: the names of every rank's
-    tuned parameters in one process's order (layer by layer), each rank's named from its own compressed MLPs."""
+def compressed_digest(model: nn.Module, layer: int) -> str:
+    """A digest of a compressed MLP as a resumed tuning must find it: its modules' classes, every tensor's name,
+    dtype and shape, and the values of what a checkpoint does not restore (buffers: cluster sizes, masks); the
+    parameters' values are the checkpoint's to restore."""
+    from ...files import Fingerprint
+
+    mods = find_sites(model).mlp[layer].modules()
+    fp = Fingerprint(model, skip={f"{j}.{n}" for j, m in enumerate(mods) for n, _ in m.named_parameters()})
+    for j, m in enumerate(mods):
+        fp.add(f"{j}:{type(m).__name__}", torch.empty(0))
+        for n, t in m.state_dict().items():
+            fp.add(f"{j}.{n}", t)
+    return fp.hexdigest()
+
+
+def layers_of_every_rank(model: nn.Module, own: list[int], layers: list[int] | None) -> tuple[list[str], list[str]]:
+    """The names of the tuned parameters and the digests (`compressed_digest`) of the compressed MLPs, layer by layer
+    in one process's order: of `own` in one process (layers None); under torchrun, where each rank compressed only
+    its share `own` of `layers`, every rank's, gathered from their owners."""
     from ... import parallel
 
-    by_layer = {}
-    for part in parallel.all_gather({i: list(site_params(model, [i])) for i in own}):
-        by_layer.update(part)
-    return [n for i in layers for n in by_layer[i]]
+    mine = {i: (list(site_params(model, [i])), compressed_digest(model, i)) for i in own}
+    if layers is None:
+        by_layer, layers = mine, own
+    else:
+        by_layer = {}
+        for part in parallel.all_gather(mine):
+            by_layer.update(part)
+    return [n for i in layers for n in by_layer[i][0]], [by_layer[i][1] for i in layers]
 
 
 def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig, progress: bool = True,
@@ -63,7 +83,7 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     perm = torch.randperm(n, generator=step_rng(cfg.seed, 0, stream=7))
     device = next(model.parameters()).device
     params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
-    every = every_rank_params(model, layers, partition) if partition is not None else list(params)
+    every, digests = layers_of_every_rank(model, layers, partition)
     frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
     for p in frozen:
         p.requires_grad_(False)
@@ -93,11 +113,11 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     was = model.training
     model.train()
     try:
-        # the model without the tuned layers' MLPs (each rank holds only its own share compressed): the rest of
-        # the model, and the compression, which follows from the settings
+        # the model without the tuned layers' MLPs (each rank holds only its own share compressed), and those MLPs
+        # as their owners compressed them
         identity = None if checkpoint_dir is None else {
             "model": model_fingerprint(model, omit=site_tensor_names(model, partition or layers)),
-            "layers": partition or layers, "fusion": asdict(cfg), **(settings or {})}
+            "compressed": digests, "layers": partition or layers, "fusion": asdict(cfg), **(settings or {})}
         res = fit(params, loss_fn, FitConfig(steps=steps, lr=cfg.tune_lr, seed=cfg.seed, log_every=10),
                   checkpoint_dir=checkpoint_dir, progress=progress, desc="layer-wise tuning", settings=identity,
                   partition=None if partition is None else every)
