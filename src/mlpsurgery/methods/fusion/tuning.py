@@ -147,11 +147,13 @@ def install_layer(site, modules: list[nn.Module]) -> None:
 
 def _gather_layers(sites, rows: list[dict], own: list[int]) -> list[dict] | None:
     """Under torchrun, where each rank compressed and tuned its share `own` of the layers: rank 0 takes every
-    other rank's layers (their compressed, tuned modules, installed in place of its untouched copies) and report
-    rows, and returns every layer's row in layer order; None on the other ranks (a collective)."""
+    other rank's layers (their compressed, tuned modules, installed in place of its copies, which were given back
+    to the meta device) and report rows, and returns every layer's row in layer order; None on the other ranks (a
+    collective)."""
     from ... import parallel
 
-    mine = {r["layer"]: (layer_payload(sites.mlp[r["layer"]]), r) for r in rows if r["layer"] in own}
+    mine = {} if parallel.world()[0] == 0 else \
+        {r["layer"]: (layer_payload(sites.mlp[r["layer"]]), r) for r in rows if r["layer"] in own}
     got = parallel.gather_to_rank0(mine)
     if got is None:
         return None
