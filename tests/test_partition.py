@@ -273,9 +273,9 @@ def test_a_rank_that_finds_no_checkpoint_is_refused_not_run_out_of_step(tmp_path
 
 def test_cli_fuse_layerwise_over_two_ranks_writes_what_one_process_writes(tmp_path, monkeypatch):
     """`torchrun ... fuse --layerwise --tune-data`: every rank reads one layer at a time, compresses (k-means) and
-    tunes its share of the chosen layers; rank 0 takes the others' compressed, tuned layers and writes the folder. Each layer is tuned
-    alone either way, so the folder is one process's `fuse --layerwise` bit for bit (tensors, manifest; the report's
-    errors within float summation); neither rank loads the model whole. Refused on every rank as the whole-model
+    tunes its share of the chosen layers; rank 0 takes the others' compressed, tuned layers and writes the folder.
+    Each layer is tuned alone either way, so the folder is one process's `fuse --layerwise` bit for bit (tensors,
+    manifest; the report's errors within float summation); neither rank loads the model whole. Refused on every rank as the whole-model
     split refuses it: more ranks than compressed layers."""
     from conftest import assert_same_folders, saved_checkpoint
     from mlpsurgery.cli import main
