@@ -89,6 +89,22 @@ class TruncatedSVDLinear(SurgeryModule):
                 mod.U.bias.copy_(bias)
         return mod
 
+    @classmethod
+    def from_factors(cls, B: Tensor, A: Tensor, bias: Tensor | None, dense_class: str = "Linear",
+                     like: Tensor | None = None) -> "TruncatedSVDLinear":
+        """U = B (out, r), V = A (r, in): given factors (e.g. a whitened SVD's, methods/reconstruct/whiten.py), in the
+        dtype and device of `like` (default B's)."""
+        (out_f, rank), in_f = B.shape, A.shape[1]
+        like = B if like is None else like
+        mod = cls(in_f, out_f, rank, bias=bias is not None, dense_class=dense_class).to(device=like.device,
+                                                                                        dtype=like.dtype)
+        with torch.no_grad():
+            mod.U.weight.copy_(B)
+            mod.V.weight.copy_(A)
+            if bias is not None:
+                mod.U.bias.copy_(bias)
+        return mod
+
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         return self.U(self.V(x))
 

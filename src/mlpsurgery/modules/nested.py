@@ -102,6 +102,22 @@ class NestedLinear(SurgeryModule):
                 mod.bias.copy_(bias.detach())
         return mod
 
+    @classmethod
+    def from_factors(cls, B: Tensor, A: Tensor, bias: Tensor | None = None, dense_class: str = "Linear",
+                     like: Tensor | None = None) -> "NestedLinear":
+        """B (out, R), A (R, in) as given (components ordered, e.g. a whitened SVD's: methods/reconstruct/whiten.py),
+        in the dtype and device of `like` (default B's)."""
+        (out_f, R), in_f = B.shape, A.shape[1]
+        like = B if like is None else like
+        mod = cls(in_f, out_f, R, bias=bias is not None, dense_class=dense_class).to(device=like.device,
+                                                                                     dtype=like.dtype)
+        with torch.no_grad():
+            mod.B.copy_(B)
+            mod.A.copy_(A)
+            if bias is not None:
+                mod.bias.copy_(bias.detach())
+        return mod
+
     def weight_at(self, r: int | None = None) -> Tensor:
         """W_r = B_r A_r, (out, in)."""
         r = self._rank if r is None else r

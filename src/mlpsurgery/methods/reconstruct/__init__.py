@@ -1,0 +1,18 @@
+"""Data-aware reconstruction shared by every compressor: what the field learned after the papers we implement.
+
+- sequential.py: sequential calibration -- each chosen layer compressed on the activations the already-compressed
+  layers before it produce (SparseGPT's order), in one pass through the layers;
+- refit.py: closed-form compensation -- the down projection of a narrowed MLP refit by ridge least squares to the
+  original MLP's output (FLAP, SlimGPT);
+- obs.py: which neurons to keep when the refit follows -- greedy structured optimal brain surgeon (ZipLM);
+- whiten.py: whitened, truncation-aware SVD (SVD-LLM) for the svd baseline and NSN's nested start;
+- layer.py: the per-MLP pieces the methods call (MLP inputs, second moments, refit of a module, whitened SVD of a site).
+
+Methods use these through their own entry points: `fuse(..., calib_data=...)`, `nest(..., calib_data=...)`."""
+
+from .obs import OBSPath, obs_prune
+from .refit import refit_down
+from .sequential import sequential
+from .whiten import truncation_error, whitened_factors, whitening
+
+__all__ = ["OBSPath", "obs_prune", "refit_down", "sequential", "truncation_error", "whitened_factors", "whitening"]

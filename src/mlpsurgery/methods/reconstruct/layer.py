@@ -1,0 +1,131 @@
+"""One MLP rebuilt on its calibration inputs: the pieces every data-aware compressor shares.
+
+- `mlp_inputs`: what the MLP itself sees (the pre-norm applied to the residual stream the capture records);
+- `second_moment`: XᵀX / n in float64, summed in chunks;
+- `refit_module_`: the down projection of a narrowed DenseMLP / FusedMLP refit to the original MLP's output
+  (refit.py); a FusedMLP keeps P stand-alone (the refit solves for P W~2 and divides P back out, so the forward is the
+  refit one while the gradient keeps the paper's form);
+- `whitened_svd_`: every projection of an MLP replaced by its whitened truncated SVD (whiten.py) at the rank the
+  svd baseline gives it: up / gate in the metric of the MLP inputs, down refit to the original output and truncated
+  in the metric of the new inner activations (reduced-rank regression)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ...modules.fused import TruncatedSVDLinear
+from ...errors import MLPSurgeryError
+from ...sites import MLPSite, MLPWeights, linear_weight
+from .refit import RIDGE, refit_down, refit_stats, solve_down
+from .whiten import whitened_factors
+
+CHUNK = 4096
+
+
+def mlp_inputs(site: MLPSite, x: Tensor) -> Tensor:
+    """(n, d) float32: the MLP's own inputs for residual-stream rows x (the pre-norm applied where there is one)."""
+    norm = site.pre_norm
+    if norm is None:
+        return x.float()
+    p = next(norm.parameters(), None)
+    with torch.no_grad():
+        return torch.cat([norm(x[s:s + CHUNK].to(p if p is not None else x)).float() for s in range(0, len(x), CHUNK)])
+
+
+def second_moment(x: Tensor, fn=None) -> Tensor:
+    """XᵀX / n (float64) of the rows x (n, in), or of fn(x) computed chunk by chunk."""
+    total, n = None, 0
+    with torch.no_grad():
+        for s in range(0, len(x), CHUNK):
+            a = x[s:s + CHUNK] if fn is None else fn(x[s:s + CHUNK])
+            a = a.double().cpu()
+            total = a.T @ a if total is None else total + a.T @ a
+            n += len(a)
+    return total / max(n, 1)
+
+
+def refit_module_(module: nn.Module, target: MLPWeights, xin: Tensor, ridge: float = RIDGE,
+                  y: Tensor | None = None) -> dict:
+    """Refit the down projection (and its bias) of a DenseMLP or FusedMLP in place to `target`'s output on the MLP
+    inputs xin (or to the rows y). Returns the relative output error before and after on xin."""
+    new = module.to_mlp_weights()  # (a FusedMLP's P folded into the down projection)
+    fitted, info = refit_down(new, target, xin, ridge, y=y)
+    if info["refit"]:
+        D = fitted.down
+        P = getattr(module, "P", None)
+        if P is not None:
+            D = D / P.to(D)[None, :]
+        with torch.no_grad():
+            module.down.weight.copy_(D.to(module.down.weight))
+            if fitted.down_bias is not None:
+                module.down.bias.copy_(fitted.down_bias.to(module.down.bias))
+    return info
+
+
+def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True) -> list[dict]:
+    """Replace each projection of the (stock) MLP at `site` by its whitened truncated SVD at rank rank_of(out, in),
+    fitted on the MLP inputs xin; returns per projection its shape, rank and relative truncation error.
+
+    up / gate (Phi-3's gate_up) are factorised in the metric of xin. The down projection then, with refit, is the
+    reduced-rank regression of the original MLP's output on the inner activations the truncated up / gate produce:
+    the least-squares down projection on them, truncated in their metric (the best rank-r map from what the layer now
+    computes to what it computed); without refit, the original down projection in the metric of the original inner
+    activations."""
+    w = site.read()
+    xin = xin.to(w.up)
+    C_in = second_moment(xin)
+    ranks = []
+
+    def replace(role: str, mod: nn.Module, weight: Tensor, bias: Tensor | None, C: Tensor) -> None:
+        out_f, in_f = weight.shape
+        rank = rank_of(out_f, in_f)
+        B, A, sig = whitened_factors(weight, C)
+        site.replace_linear(role, TruncatedSVDLinear.from_factors(B[:, :rank], A[:rank], bias, like=weight,
+                                                                  dense_class=type(mod).__name__))
+        e = sig.double() ** 2
+        ranks.append({"projection": role, "shape": [out_f, in_f], "rank": rank,
+                      "truncation_error": float(e[rank:].sum() / e.sum().clamp_min(1e-300))})
+
+    linears = site.linears()
+    for role, mod in linears.items():
+        if role != "down":
+            weight, bias = linear_weight(mod)
+            replace(role, mod, weight, bias, C_in)
+    down = linears["down"]
+    weight, bias = linear_weight(down)
+    if not refit:
+        replace("down", down, weight, bias, second_moment(xin, w.inner))
+        return ranks
+    now = site.read()  # the truncated up / gate (the down projection still the original)
+    stats = refit_stats(now, w, xin)
+    D, b = solve_down(stats, bias is not None)
+    replace("down", down, D.to(weight), None if b is None else b.to(weight), stats.G / max(stats.n, 1))
+    ranks[-1]["refit"] = True
+    return ranks
+
+
+def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: list[int],
+                 progress: bool = False) -> dict[int, dict]:
+    """Refit, in sequence, the down projection of each chosen (narrowed) MLP of `model`, a compressed copy of
+    `original`, to the original MLP's output on the inputs `model` itself produces there (sequential calibration):
+    the compensation for a compressor that narrows without data (Fisher blocks, a random subnet). In place; returns
+    each layer's relative output error before and after on its calibration inputs."""
+    from ...sites import find_sites
+    from .sequential import sequential
+
+    sites, originals = find_sites(model), find_sites(original)
+
+    def work(i: int, x: Tensor) -> dict:
+        site, target = sites.mlp[i], originals.mlp[i].read()
+        xin = mlp_inputs(site, x)
+        if site.replaced:
+            if not hasattr(site.module, "to_mlp_weights") or not hasattr(site.module, "down"):
+                raise MLPSurgeryError(f"layer {i}: {type(site.module).__name__} has no down projection to refit")
+            return refit_module_(site.module, target, xin)
+        fitted, info = refit_down(site.read(), target, xin)
+        if info["refit"]:
+            site.write(fitted)
+        return info
+
+    return sequential(model, calib, layers, work, progress=progress, desc="refit")

@@ -1,0 +1,103 @@
+"""Closed-form compensation: the down projection of a narrowed MLP refit by ridge least squares to the original
+MLP's output on calibration inputs (the reconstruction step of FLAP / SlimGPT / ZipLM-style structured pruning).
+
+A width-k MLP computes y~ = D a(x) + b with a(x) the k inner activations (gate/up kept, merged or sketched by
+whatever method narrowed it). Given calibration inputs X and the original MLP's outputs Y = MLP(X), the best D (and
+b, where the architecture has a down bias) solves
+
+    min_D,b  ||A Dᵀ + 1 bᵀ - Y||² + λ ||D||²,        A = a(X) (n, k)
+
+whose normal equations need only G = AᵀA (k, k) and AᵀY (k, d), summed over chunks of rows. λ = ridge · mean diag G
+keeps a neuron that the calibration never fires (or two identical ones) from blowing up. Without a bias slot the
+mean of what the removed neurons added is still absorbed: the fit is on the uncentred outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from ...sites import MLPWeights
+
+RIDGE = 1e-3  # relative to the mean of diag(AᵀA)
+CHUNK = 4096  # rows per chunk of the Gram sums
+
+
+@dataclasses.dataclass
+class RefitStats:
+    """Sums over calibration rows for one MLP: G = AᵀA, AY = AᵀY of the new inner activations A and the original's
+    outputs Y, the column sums of A and Y, and ||Y||² (for the error of any fit without another pass)."""
+
+    G: Tensor
+    AY: Tensor
+    a_sum: Tensor
+    y_sum: Tensor
+    yy: float
+    n: int
+
+
+def refit_stats(new: MLPWeights, target: MLPWeights, x: Tensor, y: Tensor | None = None) -> RefitStats:
+    """The sums of `RefitStats` for the narrowed MLP `new` against `target` (the original MLP) on MLP inputs x (n, d),
+    or against the given output rows y (n, d)."""
+    k, d = new.h, new.d
+    y_rows = y
+    G = torch.zeros(k, k, dtype=torch.float64)
+    AY = torch.zeros(k, d, dtype=torch.float64)
+    a_sum = torch.zeros(k, dtype=torch.float64)
+    y_sum = torch.zeros(d, dtype=torch.float64)
+    yy = 0.0
+    with torch.no_grad():
+        for s in range(0, len(x), CHUNK):
+            xs = x[s:s + CHUNK]
+            a = new.inner(xs.to(new.up)).double().cpu()
+            y = (target(xs.to(target.up)) if y_rows is None else y_rows[s:s + CHUNK]).double().cpu()
+            G += a.T @ a
+            AY += a.T @ y
+            a_sum += a.sum(0)
+            y_sum += y.sum(0)
+            yy += float((y * y).sum())
+    return RefitStats(G, AY, a_sum, y_sum, yy, len(x))
+
+
+def solve_down(stats: RefitStats, bias: bool, ridge: float = RIDGE) -> tuple[Tensor, Tensor | None]:
+    """(D (d, k), b (d,) or None), float64: the ridge least-squares down projection (and bias) from the sums."""
+    G, AY = stats.G, stats.AY
+    if bias:  # the ones column appended to A: [[G, a_sum], [a_sumᵀ, n]]
+        k = G.shape[0]
+        G = torch.cat([torch.cat([G, stats.a_sum[:, None]], 1),
+                       torch.cat([stats.a_sum, G.new_tensor([float(stats.n)])])[None, :]], 0)
+        AY = torch.cat([AY, stats.y_sum[None, :]], 0)
+    lam = ridge * float(torch.diagonal(stats.G).mean().clamp_min(1e-30))
+    reg = torch.eye(G.shape[0], dtype=G.dtype) * lam
+    if bias:
+        reg[-1, -1] = 0  # the bias is not shrunk
+    sol = torch.linalg.solve(G + reg, AY)  # (k [+1], d)
+    if bias:
+        return sol[:k].T.contiguous(), sol[k].contiguous()
+    return sol.T.contiguous(), None
+
+
+def fit_error(stats: RefitStats, D: Tensor, b: Tensor | None) -> float:
+    """||A Dᵀ + b - Y||² / ||Y||² from the sums (no second pass over the rows)."""
+    D = D.double()
+    err = stats.yy - 2 * float((stats.AY * D.T).sum()) + float((D @ stats.G * D).sum())
+    if b is not None:
+        b = b.double()
+        err += -2 * float(b @ stats.y_sum) + 2 * float(b @ (D @ stats.a_sum)) + stats.n * float(b @ b)
+    return max(err, 0.0) / max(stats.yy, 1e-300)
+
+
+def refit_down(new: MLPWeights, target: MLPWeights, x: Tensor, ridge: float = RIDGE,
+               y: Tensor | None = None) -> tuple[MLPWeights, dict]:
+    """`new` with its down projection (and down bias, where it has one) refit to `target`'s outputs on MLP inputs x
+    (or to the rows y). Returns the weights (in new's dtype and device) and the relative output error on x before and
+    after."""
+    stats = refit_stats(new, target, x, y)
+    before = fit_error(stats, new.down, new.down_bias)
+    D, b = solve_down(stats, new.down_bias is not None, ridge)
+    after = fit_error(stats, D, b)
+    if after > before:  # cannot happen with ridge -> 0; with a large ridge keep what was there
+        return new, {"error_before": before, "error_after": before, "refit": False}
+    out = dataclasses.replace(new, down=D.to(new.down), down_bias=None if b is None else b.to(new.down))
+    return out, {"error_before": before, "error_after": after, "refit": True}

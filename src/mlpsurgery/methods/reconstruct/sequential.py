@@ -1,0 +1,131 @@
+"""Sequential calibration (as SparseGPT, OBC and SliceGPT do): each chosen layer is compressed on the activations that
+the already-compressed layers before it produce, so the error a layer leaves is what the next one is fitted against.
+
+The model's own forward runs once over the calibration blocks with every decoder layer a recorder (the hidden states
+entering layer 0 and what the model passes each layer beside them: masks, positions, rotary tables), exactly as
+`layerwise.LayerStream.layer_inputs` records them for a checkpoint on disk. Then the layers run one after another on
+those hidden states, in the model: for a chosen layer i, one pass records the residual stream entering its MLP
+sub-block (what `capture` records), `work(i, x)` changes the layer in place, and a second pass gives the next layer
+its inputs through the changed layer. Cost: one forward of the layers up to the last chosen one, plus one more pass
+of each chosen layer; no pass is repeated from the start (the naive way, a partial forward per layer, is quadratic in
+depth)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ...errors import MLPSurgeryError
+from ...sites import find_sites
+
+
+class _Stop(Exception):
+    pass
+
+
+def record_layer_inputs(model: nn.Module, blocks: Tensor, last: int, batch_size: int = 8):
+    """(hidden, calls): the hidden states entering layer 0 per batch of `blocks` (N, T), and calls[j][b] = (args,
+    kwargs) the model passes layer j for batch b, for j = 0..last."""
+    layers = find_sites(model).layers()
+    calls: list[list] = [[] for _ in range(last + 1)]
+    hidden: list[Tensor] = []
+    device = next(model.parameters()).device
+
+    def recorder(j, *args, **kwargs):
+        h = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        args = args[1:] if args and args[0] is h else args
+        calls[j].append((args, kwargs))
+        if j == 0:
+            hidden.append(h.detach())
+        if j == last:
+            raise _Stop
+        return h
+
+    for j, layer in enumerate(layers[:last + 1]):
+        layer.forward = functools.partial(recorder, j)
+    kw = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    try:
+        with torch.no_grad():
+            for b in range(0, len(blocks), batch_size):
+                try:
+                    model(input_ids=blocks[b:b + batch_size].to(device), **kw)
+                except _Stop:
+                    pass
+    finally:
+        for layer in layers[:last + 1]:
+            del layer.forward
+    return hidden, calls
+
+
+def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callable[..., object],
+               batch_size: int = 8, progress: bool = True, desc: str = "calibrating",
+               reference: bool = False) -> dict[int, object]:
+    """For each chosen layer i in order, `work(i, x)` with x (n_tokens, d) float32 the residual stream entering layer
+    i's MLP sub-block on the calibration `blocks` (N, T), as the model -- its chosen layers before i already changed by
+    `work` -- produces it. Returns {i: what work returned}. The model is in eval mode and without grad meanwhile.
+
+    reference: also run the original model's stream beside it (every layer before it is changed) and call
+    `work(i, x, x_ref, y_ref)` with x_ref the original's rows at the same place and y_ref what the original sub-block
+    adds to them, so that work can fit the layer to where the original stream goes, not only to what its MLP does."""
+    if blocks.dim() != 2 or len(blocks) == 0:
+        raise MLPSurgeryError(f"calibration blocks must be a non-empty (N, T) tensor of token ids, got "
+                              f"{tuple(blocks.shape)}")
+    sites = find_sites(model)
+    chosen = sorted(set(layers))
+    was_training = model.training
+    model.eval()
+    results: dict[int, object] = {}
+    try:
+        hidden, calls = record_layer_inputs(model, blocks, chosen[-1], batch_size)
+        ref_hidden = list(hidden) if reference else None
+        decoder = sites.layers()
+
+        def run(j: int, states: list[Tensor], hook=None) -> list[Tensor]:
+            handle = None if hook is None else sites.mlp[j].entry.register_forward_pre_hook(hook)
+            try:
+                out = []
+                for b, h in enumerate(states):
+                    args, kwargs = calls[j][b]
+                    y = decoder[j](h, *args, **kwargs)
+                    out.append(y[0] if isinstance(y, (tuple, list)) else y)
+                return out
+            finally:
+                if handle is not None:
+                    handle.remove()
+
+        def rows_hook(into: list):
+            return lambda mod, args: into.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+
+        bar = tqdm(total=len(chosen), desc=desc, unit="layer", disable=not progress)
+        with torch.no_grad():
+            for j in range(chosen[-1] + 1):
+                ref_rows: list[Tensor] = []
+                if ref_hidden is not None:  # the original stream through the layer before work changes it
+                    ref_hidden = run(j, ref_hidden, rows_hook(ref_rows) if j in chosen else None)
+                if j in chosen:
+                    rows: list[Tensor] = []
+                    run(j, hidden, rows_hook(rows))
+                    extra = ()
+                    if ref_hidden is not None:
+                        x_ref = torch.cat(ref_rows)
+                        extra = (x_ref, _subblock(sites.mlp[j], x_ref))
+                    with torch.enable_grad():  # the work may fit (k-means, MMD) with autograd
+                        results[j] = work(j, torch.cat(rows), *extra)
+                    del rows, ref_rows, extra
+                    bar.update(1)
+                if j == chosen[-1]:
+                    break
+                hidden = run(j, hidden)
+        bar.close()
+    finally:
+        model.train(was_training)
+    return results
+
+
+def _subblock(site, x: Tensor) -> Tensor:
+    """What the (still original) sub-block adds to the rows x, float32, chunk by chunk."""
+    return torch.cat([site.subblock(x[s:s + 4096]).float() for s in range(0, len(x), 4096)])

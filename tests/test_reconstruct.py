@@ -1,0 +1,247 @@
+"""Data-aware reconstruction (methods/reconstruct): whitened SVD, the least-squares refit, structured OBS, sequential
+calibration, per-layer budgets and the distillation recovery, on tiny models of every architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mlpsurgery.capture import capture_mlp_io
+from mlpsurgery.errors import MLPSurgeryError
+from mlpsurgery.methods import nsn
+from mlpsurgery.methods.fusion import FusionConfig, compress_site, fuse
+from mlpsurgery.methods.reconstruct import obs_prune, sequential, truncation_error, whitened_factors
+from mlpsurgery.methods.reconstruct.budget import plan_widths
+from mlpsurgery.methods.reconstruct.distill import distill
+from mlpsurgery.methods.reconstruct.layer import mlp_inputs, second_moment
+from mlpsurgery.methods.reconstruct.refit import refit_down
+from mlpsurgery.sites import find_sites
+from mlpsurgery.tiny import ARCHITECTURES, DECODERS, tiny_model
+
+
+def _correlated(n: int, dim: int, seed: int = 0, rank: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(rank or dim, dim, generator=g, dtype=torch.float64)
+    return torch.randn(n, rank or dim, generator=g, dtype=torch.float64) @ mix
+
+
+def _blocks(n: int = 8, t: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 250, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- whitened SVD -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+@pytest.mark.parametrize("singular", [False, True])
+def test_whitened_svd_is_exact_at_full_rank_and_each_prefix_is_the_best_of_its_rank(shape, singular):
+    out_f, in_f = shape
+    W = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    X = _correlated(200, in_f, rank=in_f // 3 if singular else None)  # singular: a rank-deficient covariance
+    C = X.T @ X / len(X)
+    B, A, sig = whitened_factors(W, C)
+    R = min(shape)
+    assert B.shape == (out_f, R) and A.shape == (R, in_f)
+    assert torch.allclose(B @ A, W, atol=1e-9, rtol=0)  # exact at full rank, whatever the damping
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    expected = truncation_error(sig)
+    for r in range(1, R):
+        err_white = float(((W - B[:, :r] @ A[:r]) @ X.T).pow(2).sum())
+        err_plain = float(((W - (U[:, :r] * S[:r]) @ Vh[:r]) @ X.T).pow(2).sum())
+        assert err_white <= err_plain * (1 + 1e-6) + 1e-9  # the best rank-r in the metric of the inputs
+        total = float((W @ X.T).pow(2).sum())
+        if not singular:  # the tail of sigma² is the error (damping aside)
+            assert abs(err_white / total - float(expected[r])) < 1e-3
+
+
+def test_nest_with_calibration_is_exact_at_full_rank_nested_and_better_below_it(ids):
+    model = tiny_model("llama")
+    calib = _blocks()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    plain, white = copy.deepcopy(model), copy.deepcopy(model)
+    nsn.nest(plain, nsn.NSNConfig(modules="mlp"))
+    nsn.nest(white, nsn.NSNConfig(modules="mlp"), calib_data=calib)
+    assert white._mlpsurgery_history[-1]["provenance"]["init"] == "whitened svd"
+    with torch.no_grad():
+        assert torch.allclose(white(input_ids=ids).logits, ref, atol=1e-4)
+    layers = nsn.nested_linears(white)
+    for m in layers.values():  # nested: every rank's weight is the previous one plus one component
+        for r in (2, 5, m.max_rank - 1):
+            diff = m.weight_at(r + 1) - m.weight_at(r)
+            assert torch.allclose(diff, torch.outer(m.B[:, r], m.A[r]), atol=1e-5)
+    # at half rank, the whitened start reproduces the MLPs' outputs on the calibration text better than plain SVD
+    x = capture_mlp_io(model, calib, progress=False)
+    errs = {}
+    for name, m in (("plain", plain), ("white", white)):
+        nsn.set_rank(m, 16)
+        sites = find_sites(m)
+        with torch.no_grad():
+            errs[name] = sum(float((sites.mlp[i].subblock(x.layer(i)[0]) - (x.layer(i)[1] - x.layer(i)[0])).pow(2).sum())
+                             for i in range(len(sites)))
+    assert errs["white"] < errs["plain"]
+
+
+# ---- the refit ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["neuron", "random", "fusion", "sketch"])
+def test_the_refit_lowers_each_layers_output_error_against_no_refit(arch, method):
+    model = tiny_model(arch)
+    capture = capture_mlp_io(model, _blocks(), progress=False)
+    sites = find_sites(model)
+    for i in range(len(sites)):
+        x = capture.layer(i)[0]
+        before, after = {}, {}
+        for refit, into in ((False, before), (True, after)):
+            m = copy.deepcopy(model)
+            site = find_sites(m).mlp[i]
+            compress_site(site, 24, FusionConfig(method=method, refit=refit, n_init=1, importance="output"),
+                          torch.Generator().manual_seed(0), calib=x)
+            with torch.no_grad():
+                into["err"] = float((site.subblock(x) - (capture.layer(i)[1] - x)).pow(2).sum())
+        assert after["err"] < before["err"], (arch, method, i)
+
+
+def test_refit_down_is_the_least_squares_solution_and_keeps_a_bias():
+    model = tiny_model("gpt2")  # plain MLP with biases
+    site = find_sites(model).mlp[0]
+    w = site.read()
+    x = torch.randn(300, w.d, generator=torch.Generator().manual_seed(0))
+    small = w.select(torch.arange(0, 64, 2))
+    fitted, info = refit_down(small, w, x, ridge=1e-12)
+    assert info["refit"] and info["error_after"] < info["error_before"]
+    A = torch.cat([small.inner(x), torch.ones(len(x), 1)], 1).double()
+    sol = torch.linalg.lstsq(A, w(x).double()).solution  # (k + 1, d)
+    assert torch.allclose(fitted.down.double(), sol[:-1].T, atol=1e-3)
+    assert torch.allclose(fitted.down_bias.double(), sol[-1], atol=1e-3)
+
+
+# ---- structured OBS -----------------------------------------------------------------------------------------------
+
+def test_obs_path_error_matches_the_refit_of_what_it_keeps_and_beats_random_neurons():
+    g = torch.Generator().manual_seed(0)
+    h, d, n = 48, 16, 2000
+    A = torch.relu(_correlated(n, h, seed=2)).double()
+    W = torch.randn(d, h, generator=g, dtype=torch.float64)
+    G = A.T @ A / n
+    path = obs_prune(G, W, 20, ridge=1e-10, steps=1000)  # one neuron at a time
+    keep = path.kept(h)
+    assert len(keep) == 20 and len(path.order) == 28 and len(path.error) == 29
+    assert all(b >= a - 1e-9 for a, b in zip(path.error, path.error[1:]))  # removing more never costs less
+    Y = A @ W.T
+    sol = torch.linalg.lstsq(A[:, keep], Y).solution
+    best = float((A[:, keep] @ sol - Y).pow(2).sum() / Y.pow(2).sum())
+    assert abs(path.error[-1] - best) < 1e-6
+    assert torch.allclose(path.down[:, keep], sol.T, atol=1e-5)
+    for seed in range(5):
+        rnd = torch.randperm(h, generator=torch.Generator().manual_seed(seed))[:20]
+        s = torch.linalg.lstsq(A[:, rnd], Y).solution
+        assert float((A[:, rnd] @ s - Y).pow(2).sum() / Y.pow(2).sum()) >= best
+
+
+# ---- sequential calibration ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "bert", "gemma2", "phi3"])
+def test_sequential_calibration_feeds_layer_i_what_the_changed_layers_before_it_produce(arch):
+    model = tiny_model(arch)
+    blocks = _blocks(6, 20)
+    seen = {}
+
+    def change(m, i):  # a visible change of layer i's MLP
+        with torch.no_grad():
+            for p in find_sites(m).mlp[i].parameters():
+                p.mul_(0.5)
+
+    def work(i, x):
+        seen[i] = x.clone()
+        change(model, i)
+
+    reference = copy.deepcopy(model)
+    sequential(model, blocks, [0, 1], work, batch_size=4, progress=False)
+    for i in range(2):
+        expect = copy.deepcopy(reference)
+        for j in range(i):
+            change(expect, j)
+        x = capture_mlp_io(expect, blocks, layers=[i], progress=False, batch_size=4).layer(i)[0]
+        assert torch.allclose(seen[i], x, atol=1e-5), (arch, i)
+        if i > 0:  # and not what the original model produces there
+            assert not torch.allclose(seen[i], capture_mlp_io(reference, blocks, layers=[i], progress=False)
+                                      .layer(i)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_calibrated_fuse_beats_the_data_free_one_on_held_out_text(arch):
+    model = tiny_model(arch)
+    calib, held = _blocks(16, 32, seed=0), _blocks(8, 32, seed=1)
+    out = {}
+    for name, data in (("free", None), ("aware", calib)):
+        m = copy.deepcopy(model)
+        rep = fuse(m, FusionConfig(width=24, method="neuron", layers="all"), calib_data=data, progress=False)
+        with torch.no_grad():
+            out[name] = float(torch.nn.functional.kl_div(
+                torch.log_softmax(m(input_ids=held).logits, -1), torch.log_softmax(model(input_ids=held).logits, -1),
+                log_target=True, reduction="batchmean"))
+        if data is not None:
+            assert rep["calibration"]["mode"] == "sequential" and rep["calibration"]["tokens"] == calib.numel()
+            assert all(s["importance"] == "output" and s["refit"]["refit"] for s in rep["sites"])
+    assert out["aware"] < out["free"], out
+
+
+def test_calibrated_fuse_refuses_what_it_cannot_do():
+    model = tiny_model("llama")
+    with pytest.raises(MLPSurgeryError, match="magnitude pruning is data-free"):
+        fuse(model, FusionConfig(width=24, method="magnitude"), calib_data=_blocks(), progress=False)
+    with pytest.raises(MLPSurgeryError, match="per-layer budget is measured on calibration data"):
+        fuse(model, FusionConfig(width=24, method="neuron", budget="per-layer"), progress=False)
+    with pytest.raises(MLPSurgeryError, match="budget must be one of"):
+        FusionConfig(budget="greedy").validate()
+    gemma2 = tiny_model("gemma2")  # normalises the MLP's output inside the sub-block
+    with pytest.raises(MLPSurgeryError, match="corrective"):
+        fuse(gemma2, FusionConfig(width=24, method="neuron", calibration="corrective"), calib_data=_blocks(),
+             progress=False)
+
+
+# ---- per-layer budgets and recovery -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_per_layer_budget_keeps_the_total_width_and_leaves_the_model_alone(arch):
+    model = tiny_model(arch, num_hidden_layers=4)
+    with torch.no_grad():
+        before = [p.clone() for p in model.parameters()]
+    plan = plan_widths(model, _blocks(), {i: 32 for i in range(4)}, progress=False)
+    assert sum(p.width for p in plan) == 4 * 32
+    assert all(16 <= p.width <= 64 for p in plan)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    m = copy.deepcopy(model)
+    rep = fuse(m, FusionConfig(width=32, method="neuron", layers="all", budget="per-layer"), calib_data=_blocks(),
+               progress=False)
+    assert [find_sites(m).mlp[i].h for i in range(4)] == [p.width for p in plan] == list(rep["widths"].values())
+
+
+def test_distillation_recovery_lowers_the_kl_and_trains_only_the_chosen_mlps():
+    model = tiny_model("llama", num_hidden_layers=3)
+    student = copy.deepcopy(model)
+    fuse(student, FusionConfig(width=16, method="random", layers="1,2"), progress=False)
+    frozen = {n: p.clone() for n, p in student.named_parameters() if ".mlp." not in n or ".layers.0." in n}
+    rep = distill(student, model, _blocks(16, 24), [1, 2], steps=30, lr=3e-3, progress=False)
+    assert rep["steps"] == 30 and rep["loss_last"] < rep["loss_first"]
+    for n, p in student.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+        assert p.requires_grad  # given back as it was
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_refit_of_a_model_narrowed_without_data_lowers_every_layers_error(arch):
+    from mlpsurgery.methods.pruning import prune
+    from mlpsurgery.methods.reconstruct.layer import refit_model_
+
+    model = tiny_model(arch)
+    small, _ = prune(model, "random", 0.5, parts="ffn", layers=[0, 1], blocks=4, progress=False)
+    with torch.no_grad():
+        before = [p.clone() for p in model.parameters()]
+    infos = refit_model_(small, model, _blocks(), [0, 1])
+    assert all(infos[i]["refit"] and infos[i]["error_after"] < infos[i]["error_before"] for i in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the original is left alone
