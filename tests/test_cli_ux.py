@@ -134,7 +134,10 @@ def test_fuse_plots_the_error_of_each_compressed_mlp(capsys, tmp_path, text):
     assert code == 0 and r["plot"] == str(tmp_path / "f" / "fuse-error.png")
     assert_png(r["plot"])
     assert [s["layer"] for s in r["sites"]] == [0, 1] and all(0 < s["error_rel"] < 2 for s in r["sites"])
-    assert "N(0, 1)" in r["error_inputs"]
+    assert "calibration blocks' MLP inputs" in r["error_inputs"] and r["calibration"]["mode"] == "sequential"
+    code, out, _ = run(capsys, "fuse", "tiny:llama", "--out", tmp_path / "free", "--width", "16", "--layers", "all",
+                       "--data-free", "--json")
+    assert code == 0 and "N(0, 1)" in json.loads(out)["error_inputs"] and "calibration" not in json.loads(out)
     load(tmp_path / "f")  # the plot beside the model's files leaves the folder loadable
 
     # with tune data: measured on its captured MLP inputs, before and after the layer-wise tuning

@@ -145,7 +145,8 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
 
     src = saved_checkpoint(tmp_path, "llama", num_hidden_layers=3)
     byte_tokenizer().save_pretrained(src)
-    common = ["fuse", str(src), "--width", "12", "--layers", "all", "--n-init", "1", "--quiet", "--json"]
+    # the layer-by-layer fuse is data-free (as the papers): the whole-model command's data-free mode is its reference
+    common = ["fuse", str(src), "--width", "12", "--layers", "all", "--n-init", "1", "--data-free", "--quiet", "--json"]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads(capsys.readouterr().out)
     assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
@@ -223,13 +224,19 @@ def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
 
     src = saved_checkpoint(tmp_path, "gpt2", dtype=torch.bfloat16, shard="20KB", n_layer=3)
     byte_tokenizer().save_pretrained(src)
-    common = ["nest", str(src), "--max-rank", "6", "--layers", "1-2", "--dtype", "auto", "--quiet", "--json"]
+    common = ["nest", str(src), "--max-rank", "6", "--layers", "1-2", "--dtype", "auto", "--data-free", "--quiet",
+              "--json"]
     assert main([*common, "--out", str(tmp_path / "whole")]) == 0
     assert main([*common, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
     capsys.readouterr()
     _same_folders(tmp_path / "whole", tmp_path / "lw", method="nsn")
     assert main(["nest", str(src), "--layerwise", "--train-steps", "2", "--out", str(tmp_path / "x1")]) == 2
     assert main(["nest", "tiny:llama", "--layerwise", "--out", str(tmp_path / "x2")]) == 2
+    # the whitened start needs the whole model's forward: refused layer by layer, nothing written
+    assert main(["nest", str(src), "--layerwise", "--calib-data", "austen", "--out", str(tmp_path / "x3")]) == 2
+    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--calib-data", "austen",
+                 "--out", str(tmp_path / "x4")]) == 2
+    assert not (tmp_path / "x3").exists() and not (tmp_path / "x4").exists()
     assert not any((tmp_path / x).exists() for x in ("x1", "x2"))
 
 

@@ -50,8 +50,8 @@ def _same(a_dir, b_dir, method):
 @pytest.mark.parametrize("command, method", [
     (["prune", "--method", "magnitude", "--sparsity", "0.5"], "magnitude-prune"),
     (["prune", "--method", "wanda", "--sparsity", "0.5", "--calib-blocks", "2", "--block-len", "16"], "wanda-prune"),
-    (["fuse", "--width", "8", "--layers", "all", "--method", "neuron"], "fusion"),
-    (["nest", "--max-rank", "4"], "nsn"),
+    (["fuse", "--width", "8", "--layers", "all", "--method", "neuron", "--data-free"], "fusion"),  # (layerwise: no data)
+    (["nest", "--max-rank", "4", "--data-free"], "nsn"),
 ])
 def test_a_layerwise_command_on_a_saved_folder_writes_what_the_whole_model_one_writes(tmp_path, subnet, command,
                                                                                      method, capsys):
@@ -93,7 +93,7 @@ def test_a_saved_bfloat16_folder_asked_for_in_float32_layer_by_layer(tmp_path, s
     from mlpsurgery.io import save
 
     save(load(subnet).to(torch.bfloat16), tmp_path / "bf16")
-    args = ["nest", str(tmp_path / "bf16"), "--max-rank", "4", "--dtype", "float32", "--quiet"]
+    args = ["nest", str(tmp_path / "bf16"), "--max-rank", "4", "--dtype", "float32", "--data-free", "--quiet"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     assert main([*args, "--layerwise", "--out", str(tmp_path / "lw")]) == 0
     _same(tmp_path / "whole", tmp_path / "lw", "nsn")

@@ -212,7 +212,7 @@ def fuse_args(tmp_path, out: str, *extra: str) -> list[str]:
     (tmp_path / "t.txt").write_text(TEXT)
     return ["fuse", "tiny:llama", "--out", out, "--width", "16", "--layers", "all", "--tune-data",
             str(tmp_path / "t.txt"), "--tune-blocks", "8", "--block-len", "32", "--tune-steps", "5", "--json",
-            "--quiet", *extra]
+            "--data-free", "--quiet", *extra]  # (under torchrun fuse is data-free: one process's reference too)
 
 
 def test_cli_fuse_over_two_ranks_saves_what_one_process_saves_and_resumes_its_checkpoint(tmp_path):

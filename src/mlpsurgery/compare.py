@@ -38,8 +38,11 @@ ALL_METHODS = STRUCTURED + UNSTRUCTURED
 DEFAULT_METHODS = ("fusion", "cluster", "svd", "sketch", "neuron", "random", "nsn", "twist", "fisher",
                    "wanda", "sparsegpt", "magnitude", "wanda-2:4", "sparsegpt-2:4")
 NEEDS_DATA = ("fisher", "wanda", "sparsegpt", "wanda-2:4", "sparsegpt-2:4")
+RECOVERY = ("layerwise", "distill")
+RECOVER_LR = {"layerwise": 1e-3, "distill": 3e-4}
+RECOVER_BLOCKS = 4096  # train-split blocks the distillation draws its batches from
 LABELS = {"fusion": "MLP Fusion", "cluster": "k-means cluster", "svd": "SVD", "sketch": "sketch", "neuron":
-          "neuron pruning", "random": "random neurons", "mmd": "MMD", "nsn": "NSN (SVD, untrained)",
+          "neuron pruning", "random": "random neurons", "mmd": "MMD", "nsn": "NSN (untrained)",
           "twist": "TwIST subnet", "fisher": "Fisher blocks", "wanda": "Wanda", "sparsegpt": "SparseGPT",
           "magnitude": "magnitude", "wanda-2:4": "Wanda 2:4", "sparsegpt-2:4": "SparseGPT 2:4",
           "magnitude-2:4": "magnitude 2:4"}
@@ -53,10 +56,14 @@ class CompareConfig:
     data: str | None = None  # corpus (default: the bundled Austen, Persuasion held out)
     max_tokens: int = 4096  # held-out tokens scored per point
     block_len: int | None = None  # perplexity window (default: 512 or the model's context)
-    calib_blocks: int = 16  # calibration / recovery blocks of calib_len tokens from the train split
+    calib_blocks: int = 64  # calibration / recovery blocks of calib_len tokens from the train split
     calib_len: int = 128
-    recover_steps: int = 0  # layer-wise recovery steps per candidate (0: none)
-    recover_lr: float = 1e-3
+    data_free: bool = False  # True: fusion's methods and NSN as their papers (no calibration; plain SVD, no refit)
+    recover_steps: int = 0  # recovery steps per candidate (0: none)
+    recover_lr: float | None = None  # default: 1e-3 layer-wise, 3e-4 distill
+    recover: str = "layerwise"  # layerwise (each MLP toward the original's output on captured inputs) | distill (the
+    # whole model toward the original's next-token distribution, on-policy: methods/reconstruct/distill.py)
+    recover_seconds: float | None = None  # stop each point's recovery after this many seconds
     blocks: int = 12  # MLP chunks per layer for fisher / twist
     prompt_len: int = 256  # prefill length for the speed measurement
     new_tokens: int = 32  # decode steps
@@ -71,6 +78,8 @@ class CompareConfig:
             raise MLPSurgeryError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
         if not self.methods:
             raise MLPSurgeryError("no methods chosen")
+        if self.recover not in RECOVERY:
+            raise MLPSurgeryError(f"recovery must be one of {', '.join(RECOVERY)}, not {self.recover!r}")
         bad = [b for b in self.budgets if not 0 < b < 1]
         if bad or not self.budgets:
             raise MLPSurgeryError(f"budgets are fractions of the MLP kept, each in (0, 1), not {bad or 'none'}")
@@ -80,7 +89,13 @@ class CompareConfig:
         models are not among them: adding some later reuses the points already made."""
         keep = ("layers", "data", "max_tokens", "block_len", "calib_blocks", "calib_len", "recover_steps", "recover_lr",
                 "blocks", "prompt_len", "new_tokens", "repeats", "threads", "seed")
-        return {k: getattr(self, k) for k in keep}
+        out = {k: getattr(self, k) for k in keep}
+        if self.data_free:  # (absent when off: folders of the data-free default before it existed still resume)
+            out["data_free"] = True
+        if self.recover != "layerwise":
+            out["recover"] = self.recover
+            out["recover_seconds"] = self.recover_seconds
+        return out
 
 
 def _points(cfg: CompareConfig, twist_trained: bool) -> tuple[list[tuple[str, float]], list[dict]]:
@@ -132,26 +147,29 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
     from .methods.twist.extraction import trained_settings
 
     layers = chosen_layers(model, cfg.layers)
+    aware = calib is not None and not cfg.data_free
     if method in FUSE_METHODS:
         m = copy.deepcopy(model)
         width = max(1, round(budget * _mlp_width(model, layers)))
         fuse(m, FusionConfig(width=width, method=method, layers=",".join(map(str, layers)), n_init=1, seed=cfg.seed),
-             progress=False)
-        return m, {"width": width}
+             progress=False, calib_data=calib if aware else None)
+        return m, {"width": width, "data": "calibration, sequential" if aware else "none"}
     if method == "nsn":
         if "nested" not in cache:
             nested = copy.deepcopy(model)
-            nsn.nest(nested, nsn.NSNConfig(modules="mlp", layers=",".join(map(str, layers))))
+            nsn.nest(nested, nsn.NSNConfig(modules="mlp", layers=",".join(map(str, layers))),
+                     calib_data=calib if aware else None)
             cache["nested"] = nested
         m = copy.deepcopy(cache["nested"])
         got = nsn.set_budget(m, budget)
         nsn.truncate(m)  # the deployed form: only the components up to the rank are kept
-        return m, {"rank": got["rank"], "mlp_flops_fraction": got["fraction"]}
+        return m, {"rank": got["rank"], "mlp_flops_fraction": got["fraction"],
+                   "data": "calibration (whitened start)" if aware else "none"}
     if method == "twist":  # the chunking it was trained with
         R = int(trained_settings(model).get("blocks") or cfg.blocks)
         keep = max(1, round(budget * R))
         return (twist_extract(model, keep=keep, blocks=R, parts="ffn", layers=layers, seed=cfg.seed),
-                {"keep": keep, "blocks": R})
+                {"keep": keep, "blocks": R, "data": "none"})
     if method == "fisher":
         h = _mlp_width(model, layers)
         R = max(r for r in range(1, cfg.blocks + 1) if h % r == 0)  # chunks of equal width
@@ -159,12 +177,18 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
             raise MLPSurgeryError(f"MLP width {h} does not split into 2..{cfg.blocks} equal chunks; set --blocks")
         new, rep = prune(model, "fisher", 1 - budget, parts="ffn", layers=layers, data=calib, blocks=R,
                          progress=False)
-        return new, {"keep": rep.get("keep"), "blocks": R}
+        if aware:  # the blocks chosen by their Fisher scores, then the down projections refit in sequence
+            from .methods.reconstruct.layer import refit_model_
+
+            refit_model_(new, model, calib, layers)
+        return new, {"keep": rep.get("keep"), "blocks": R,
+                     "data": "calibration, refit sequential" if aware else "calibration"}
     base, _, pattern = method.partition("-")
     m = copy.deepcopy(model)
     _, rep = prune(m, base, None if pattern else 1 - budget, parts="ffn", layers=layers, data=calib, progress=False,
                    pattern=pattern or None)
-    return m, {"sparsity": rep.get("sparsity"), "pattern": rep.get("pattern")}
+    return m, {"sparsity": rep.get("sparsity"), "pattern": rep.get("pattern"),
+               "data": "none" if base == "magnitude" else "calibration, sequential"}
 
 
 def _zeros_in_linears(model: nn.Module) -> int:
@@ -179,12 +203,21 @@ def _zeros_in_linears(model: nn.Module) -> int:
     return n
 
 
-def _recover(candidate: nn.Module, capture, cfg: CompareConfig) -> dict:
+def _recover(candidate: nn.Module, capture, cfg: CompareConfig, teacher: nn.Module, blocks) -> dict:
     from .methods.fusion import FusionConfig, tune_layers
+    from .methods.reconstruct.distill import distill
 
     layers = chosen_layers(candidate, cfg.layers)
-    tcfg = FusionConfig(tune_steps=cfg.recover_steps, tune_lr=cfg.recover_lr, seed=cfg.seed)
-    return tune_layers(candidate, capture, layers, tcfg, progress=False)
+    lr = cfg.recover_lr or RECOVER_LR[cfg.recover]
+    t0 = time.perf_counter()
+    if cfg.recover == "distill":
+        return distill(candidate, teacher, blocks, layers, cfg.recover_steps, lr=lr, seconds=cfg.recover_seconds,
+                       seed=cfg.seed, progress=False)
+    tcfg = FusionConfig(tune_steps=cfg.recover_steps, tune_lr=lr, seed=cfg.seed)
+    out = tune_layers(candidate, capture, layers, tcfg, progress=False)
+    out.setdefault("seconds", time.perf_counter() - t0)
+    out["kind"] = "layerwise"
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,7 +262,8 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
     (out / "points").mkdir(exist_ok=True)
     stage(f"reading {cfg.data or 'austen'}", progress)
     corpus = load_corpus(cfg.data, tok)
-    needs_data = any(m in NEEDS_DATA for m, _ in points) or cfg.recover_steps > 0
+    needs_data = any(m in NEEDS_DATA or (not cfg.data_free and m in FUSE_METHODS + ("nsn",)) for m, _ in points) \
+        or cfg.recover_steps > 0
     calib = corpus.blocks("train", cfg.calib_len, max_blocks=cfg.calib_blocks, seed=cfg.seed) if needs_data else None
 
     def quality(m: nn.Module) -> float:
@@ -247,7 +281,8 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
         row["ppl"] = quality(m)
         row["ppl_s"] = time.perf_counter() - t0
         if recovery is not None:
-            row["recovery"] = {k: recovery.get(k) for k in ("steps", "mse_before", "mse_after", "seconds")}
+            row["recovery"] = {k: recovery.get(k) for k in ("kind", "steps", "mse_before", "mse_after", "loss_first",
+                                                            "loss_last", "seconds", "tokens")}
         return row
 
     stage("measuring the original", progress)
@@ -258,8 +293,10 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
         base["speed"] = paired_speed(model, model, cfg.prompt_len, cfg.new_tokens, repeats=cfg.repeats,
                                      threads=cfg.threads, seed=cfg.seed)
         files.write_text(base_path, json.dumps(base, indent=1, default=str))
-    capture = None
-    if cfg.recover_steps > 0:
+    capture = recover_blocks = None
+    if cfg.recover_steps > 0 and cfg.recover == "distill":  # fresh blocks of the train split, not the calibration's
+        recover_blocks = corpus.blocks("train", cfg.calib_len, max_blocks=RECOVER_BLOCKS, seed=cfg.seed + 1)
+    elif cfg.recover_steps > 0:
         from .capture import capture_mlp_io
 
         stage("capturing the original MLPs' inputs and outputs for recovery", progress)
@@ -281,7 +318,7 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
         except MLPSurgeryError as e:
             skipped.append({"method": method, "budget": budget, "why": str(e)})
             continue
-        recovery = _recover(cand, capture, cfg) if capture is not None else None
+        recovery = _recover(cand, capture, cfg, model, recover_blocks) if cfg.recover_steps > 0 else None
         row = measure(cand, method, time.perf_counter() - t0, info, recovery)
         row["budget"] = budget
         row["speed"] = paired_speed(model, cand, cfg.prompt_len, cfg.new_tokens, repeats=cfg.repeats,
@@ -348,17 +385,19 @@ def markdown(r: dict) -> str:
              f"{_h(base['flops'])} FLOPs / token, prefill {s['prefill_tok_s']:.0f} tok/s, decode "
              f"{s['decode_tok_s']:.1f} tok/s.", "",
              "| method | MLP kept | perplexity | x original | parameters | FLOPs / token | prefill speed-up "
-             "| decode speed-up | FLOP-ideal | measured / ideal (prefill) | recovery |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| decode speed-up | FLOP-ideal | measured / ideal (prefill) | data seen | recovery |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(ALL_METHODS)}
     for p in sorted(r["points"], key=lambda p: (order.get(p["method"], 99), -p["budget"])):
         sp = p["speed"]["ratio"]
         nz = f" ({_h(p['nonzero_params'])} nonzero)" if p["nonzero_params"] < 0.995 * p["params"] else ""
-        rec = "-" if not p.get("recovery") else f"{p['recovery'].get('steps', '?')} steps"
+        rec = "-" if not p.get("recovery") else (f"{p['recovery'].get('kind') or 'layerwise'}, "
+                                                 f"{p['recovery'].get('steps', '?')} steps, "
+                                                 f"{p['recovery'].get('seconds') or 0:.0f} s")
         lines.append(f"| {LABELS.get(p['method'], p['method'])} | {p['budget']:g} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "
-                     f"{rec} |")
+                     f"{p.get('data', '?')} | {rec} |")
     dense = [p for p in r["points"] if p["method"] in UNSTRUCTURED]
     if dense:
         lines += ["", "Unstructured and 2:4 rows keep every matrix dense: their FLOP-ideal speed-up counts only "

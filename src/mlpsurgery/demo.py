@@ -3,10 +3,10 @@ measured on the same held-out text, each written as a folder that stock transfor
 
 1. CoreLocker: lock 5% of the weights into a key -> held-out perplexity collapses -> unlock -> every tensor
    identical to the original (SHA-256 per tensor).
-2. Nested Subspace Networks: every MLP projection nested (SVD, untrained), perplexity at several ranks against
-   the FLOPs each costs; the folder switches rank after loading (`set_rank`).
-3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron-importance pruning at
-   the same width.
+2. Nested Subspace Networks: every MLP projection nested (whitened SVD on calibration text, untrained), perplexity
+   at several ranks against the FLOPs each costs; the folder switches rank after loading (`set_rank`).
+3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron pruning at the same width,
+   both calibrated (each layer on what the compressed layers before it produce, the down projection refit).
 4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks (the pretrained model was not TwIST-trained, so
    this shows the deployment step; docs/twist.md has what training buys).
 5. DLR-Lock of a few layers (a short phase 1), with the training-step peak memory against the original.
@@ -29,6 +29,8 @@ from torch import nn
 
 from . import files
 from .errors import MLPSurgeryError
+
+CALIB_BLOCKS = 64  # x 128 tokens of the train split: what the calibrated methods see
 
 
 class _Clock:
@@ -93,6 +95,8 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
         corpus = load_corpus(None, tok)
         block = default_block_len(model)
         probe = corpus.blocks("heldout", 32, max_blocks=2)
+        calib = corpus.blocks("train", 128, max_blocks=CALIB_BLOCKS, seed=0)  # Persuasion is never calibrated on
+        seen = f"{calib.numel():,} calibration tokens (train split)"
 
     def ppl(m: nn.Module) -> float:
         return perplexity(m, corpus.heldout, block_len=block, max_tokens=tokens, progress=False,
@@ -108,7 +112,8 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
         with clock.stage("original"):
             base_ppl, base_params = ppl(model), params(model)
             original_hash = fingerprint(tensor_hashes(model))
-        rows.append({"method": "original", "what": loaded.source, "params": base_params, "ppl": base_ppl})
+        rows.append({"method": "original", "what": loaded.source, "params": base_params, "ppl": base_ppl,
+                     "data": "-"})
 
         with clock.stage("CoreLocker: lock 5% of the weights into a key, then unlock"):
             locked_dir, key = work / "corelocker-locked", work / "corelocker.key"
@@ -123,11 +128,12 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             unlock_key(model, read_key(key))  # back to the original in memory for the next methods
         rows.append({"method": "CoreLocker", "folder": locked_dir, "what": f"key of {res['entries']:,} weights ({res['key_bytes'] / 2**20:.1f} "
                      f"MiB), unlocked {unlocked['check']}", "params": base_params, "ppl": locked_ppl,
-                     "note": f"unlocked bit for bit: {identical}"})
+                     "note": f"unlocked bit for bit: {identical}", "data": "none"})
 
-        with clock.stage("Nested Subspace Networks: SVD-nested MLPs, rank sweep"):
+        with clock.stage("Nested Subspace Networks: whitened-SVD-nested MLPs, rank sweep"):
             nested = copy.deepcopy(model)
-            nsn.nest(nested, nsn.NSNConfig(max_rank=384))  # 2/3 of SmolLM2's d: the MLPs keep their size
+            # max rank 2/3 of SmolLM2's d: the MLPs keep their size
+            nsn.nest(nested, nsn.NSNConfig(max_rank=384), calib_data=calib)
             top = nsn.max_rank(nested)
             ranks = sorted({max(1, round(top * f)) for f in (1, 2 / 3, 1 / 2, 1 / 3, 1 / 6)}, reverse=True)
             sweep = []
@@ -140,18 +146,19 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             nsn_params = params(nested)
             del nested
         at = next(s for s in sweep if s["rank"] == shown)
-        rows.append({"method": "NSN", "folder": nsn_folder, "what": f"one nested checkpoint (SVD, untrained), rank chosen at inference; "
-                     f"here rank {shown}", "params": nsn_params, "ppl": at["ppl"],
+        rows.append({"method": "NSN", "folder": nsn_folder, "what": "one nested checkpoint (whitened SVD, untrained), rank "
+                     f"chosen at inference; here rank {shown}", "params": nsn_params, "ppl": at["ppl"], "data": seen,
                      "note": f"{at['mlp_flops']:.0%} of the MLP FLOPs; ranks {ranks[0]}..{ranks[-1]}: "
                              + ", ".join(f"{s['ppl']:.0f}" for s in sweep)})
 
         h = find_sites(model).mlp[0].h
         for method, label in (("fusion", "MLP Fusion"), ("neuron", "neuron pruning (baseline)")):
-            with clock.stage(f"{label} to width {h // 2}"):
+            with clock.stage(f"{label} to width {h // 2}, calibrated"):
                 m = copy.deepcopy(model)
-                fuse(m, FusionConfig(width=h // 2, method=method, n_init=1), progress=False)
-                rows.append({"method": label, "what": f"MLP width {h} -> {h // 2} in the last two thirds of the layers",
-                             "params": params(m), "ppl": ppl(m), "folder": save(m, work / method, tokenizer=tok)})
+                fuse(m, FusionConfig(width=h // 2, method=method, n_init=1), progress=False, calib_data=calib)
+                rows.append({"method": label, "what": f"MLP width {h} -> {h // 2} in the last two thirds of the layers, "
+                             "down projections refit", "params": params(m), "ppl": ppl(m),
+                             "folder": save(m, work / method, tokenizer=tok), "data": seen + ", sequential"})
                 del m
 
         n_layers = len(find_sites(model))
@@ -163,6 +170,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
                          "groups "
                          f"(first / last {shared} layers whole), of the pretrained model", "params": params(sub),
                          "ppl": ppl(sub), "note": "not TwIST-trained: see docs/twist.md for what training buys",
+                         "data": "none (TwIST's extraction takes no data)",
                          "folder": save(sub, work / "twist", tokenizer=tok)})
             del sub
 
@@ -179,6 +187,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             rows.append({"method": "DLR-Lock", "what": f"MLPs of layers {chosen} -> DLR-Nets (rank 16, depth {rep.depth}), "
                          f"{cfg.phase1_steps} phase-1 steps + {cfg.onpolicy_count} on-policy", "params": params(d), "ppl": ppl(d),
                          "note": f"training-step peak memory {factor:.2f}x the original's (batch 2 x 128)",
+                         "data": f"{train.numel():,} training tokens (train split)",
                          "folder": save(d, work / "dlr", tokenizer=tok)})
             del d
 
@@ -215,7 +224,8 @@ def table_rows(result: dict) -> list[dict]:
     for r in result["rows"]:
         stock = r.get("stock")
         out.append({"method": r["method"], "what": r["what"], "params": f"{r['params'] / base['params']:.2f}x",
-                    "held-out ppl": f"{r['ppl']:,.1f}",
+                    "held-out ppl": f"{r['ppl']:,.1f}", "x original": f"{r['ppl'] / base['ppl']:,.2f}",
+                    "data seen": r.get("data", "?"),
                     "stock transformers": "-" if stock is None else
                     (f"{'trust_remote_code, ' if stock['trust_remote_code'] else ''}max |dlogit| "
                      f"{stock['max_abs_logit_diff']:.1e}"),
@@ -249,7 +259,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_xlabel("held-out perplexity (log scale; dashed: original)")
     ax1.set_title("every method, same text")
     sweep = result["nsn_sweep"]
-    ax2.plot([s["mlp_flops"] for s in sweep], [s["ppl"] for s in sweep], "o-", label="NSN (SVD, untrained)")
+    ax2.plot([s["mlp_flops"] for s in sweep], [s["ppl"] for s in sweep], "o-", label="NSN (whitened SVD, untrained)")
     for s in sweep:
         ax2.annotate(f"r={s['rank']}", (s["mlp_flops"], s["ppl"]), textcoords="offset points", xytext=(4, 4),
                      fontsize=8)

@@ -15,6 +15,7 @@ def run_compare(args) -> dict:
     cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), layers=args.layers, data=args.data,
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
                           calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
+                          data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
     res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args), device=device_of(args))
@@ -49,13 +50,21 @@ def register(sub, groups) -> None:
     p.add_argument("--data", help="corpus: file, folder, table, austen (default: Persuasion held out) / r8")
     p.add_argument("--max-tokens", type=integer(16), default=4096, help="held-out tokens scored per point (4096)")
     p.add_argument("--block-len", type=integer(2), help="perplexity window (512, or the model's context if shorter)")
-    p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration / recovery blocks (16)")
+    p.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration / recovery blocks (64)")
+    p.add_argument("--data-free", action="store_true",
+                   help="fusion's methods and NSN as their papers: no calibration (plain SVD, no refit, weight-scored "
+                        "neurons); default: each layer calibrated on what the compressed layers before it produce")
     p.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     p.add_argument("--recover-steps", type=integer(0), default=0,
-                   help="layer-wise recovery steps for every candidate (each MLP trained to the original's output on "
-                        "the calibration blocks; 0: none)")
-    p.add_argument("--recover-lr", type=number(0, 1, low_open=True), default=1e-3,
-                   help="learning rate of the recovery steps (1e-3)")
+                   help="recovery steps for every candidate (0: none); see --recover")
+    p.add_argument("--recover", choices=("layerwise", "distill"), default="layerwise",
+                   help="layerwise (each MLP trained to the original's output on the calibration blocks' captured "
+                        "inputs) or distill (the whole model toward the original's next-token distribution, on its "
+                        "own activations, batches of 4 train blocks)")
+    p.add_argument("--recover-seconds", type=number(0, low_open=True),
+                   help="stop each point's recovery after this many seconds (steps done are recorded)")
+    p.add_argument("--recover-lr", type=number(0, 1, low_open=True),
+                   help="learning rate of the recovery steps (1e-3 layerwise, 3e-4 distill)")
     p.add_argument("--blocks", type=integer(2), default=12, help="MLP chunks per layer for fisher / twist (12)")
     p.add_argument("--prompt-len", type=integer(1), default=256, help="prefill tokens timed (256)")
     p.add_argument("--new-tokens", type=integer(1), default=32, help="decode steps timed (32)")

@@ -31,9 +31,17 @@ def run_fuse(args) -> dict:
     from ..models import check_context
 
     check_max_memory(args)
-    inputs = [args.model, args.tune_data]
+    inputs = [args.model, args.tune_data, args.calib_data]
     # torchrun: the layer-wise tuning split by layer over the ranks (whole model, or layer by layer)
     device, rank, world = join_ranks(args)
+    if args.calib_data and (args.data_free or args.layerwise or world > 1):
+        raise MLPSurgeryError("--calib-data is for the data-aware whole-model fuse in one process; drop it with "
+                              "--data-free, --layerwise or torchrun (those compress data-free)")
+    if args.budget != "uniform" and (args.data_free or args.layerwise or world > 1 or args.method == "magnitude"):
+        raise MLPSurgeryError("--budget per-layer is measured on calibration data, which the data-free modes "
+                              "(--data-free, --layerwise, torchrun, magnitude) do not use: drop it, or those")
+    if args.method == "magnitude" and args.calib_data:
+        raise MLPSurgeryError("magnitude pruning is data-free: drop --calib-data (or use `prune --method wanda`)")
 
     def claims():  # rank 0's; every rank hears of a refusal
         check_out(args.out, args.overwrite, inputs=inputs + [args.checkpoint_dir])
@@ -46,7 +54,8 @@ def run_fuse(args) -> dict:
     parallel.on_rank0(claims)
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
                        device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
-                       tune_lr=args.tune_lr)
+                       tune_lr=args.tune_lr, calibration=args.calibration, refit=not args.no_refit,
+                       budget=args.budget)
     cfg.validate()
     t0 = time.perf_counter()
     if args.layerwise:
@@ -61,7 +70,15 @@ def run_fuse(args) -> dict:
         stage(args, f"reading and tokenising the tune data {args.tune_data}")
         tune = text_blocks(args.tune_data, loaded.require_tokenizer(), block_len=args.block_len,
                            max_blocks=args.tune_blocks, seed=args.seed)
-    report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir)
+    calib = None
+    if not (args.data_free or world > 1 or args.method == "magnitude"):
+        check_context(model, args.calib_len)
+        stage(args, f"reading and tokenising the calibration data {args.calib_data or 'austen (train split)'}")
+        # the train split: the bundled Austen's leaves Persuasion, its held-out novel, unseen
+        calib = text_blocks(args.calib_data, loaded.require_tokenizer(), block_len=args.calib_len,
+                            max_blocks=args.calib_blocks, seed=args.seed)
+    report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir,
+                  calib_data=calib)
     if rank != 0:  # rank 0 holds every tuned layer, saves and reports
         return {"rank": rank, "world_size": world, "tuning": report["tuning"], "peak_rss_bytes": peak_rss(),
                 "seconds": time.perf_counter() - t0}
@@ -127,7 +144,9 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
 def plot_fuse(r: dict, path):
     tuned = "tuning" in r
     series = {"one-shot": "error_rel", **({"after layer-wise tuning": "error_rel_tuned"} if tuned else {})}
-    where = "the tune data's MLP inputs" if r["error_inputs"].startswith("the tune") else "random inputs (no tune data)"
+    where = ("the tune data's MLP inputs" if r["error_inputs"].startswith("the tune") else
+             "the calibration MLP inputs" if r["error_inputs"].startswith("the calibration") else
+             "random inputs (no data)")
     return plot_layers(r["sites"], [("relative output error", f"||H~ - H|| / ||H|| on {where}", series)],
                        path, title=f"{r['method']} to width {r['width']}: {r['model']}, each MLP against the original")
 
@@ -241,8 +260,24 @@ def register(sub, groups) -> None:
     p.add_argument("--tune-steps", type=integer(0), help="tuning steps (default: one epoch over the tune tokens)")
     p.add_argument("--tune-lr", type=number(0), default=1e-3, help="learning rate of the layer-wise tuning (1e-3)")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per tune block (128)")
-    p.add_argument("--importance", choices=("weight", "activation"), default="weight",
-                   help="neuron-pruning score (activation needs --tune-data)")
+    p.add_argument("--importance", choices=("auto", "weight", "obs", "output", "activation"), default="auto",
+                   help="neuron selection: auto (output when calibrated, weight with --data-free), weight (norms, no "
+                        "data), obs (greedy structured optimal brain surgeon), output (RMS activation x down norm), "
+                        "activation (mean |activation| x down norm)")
+    p.add_argument("--calib-data", help="calibration text for the data-aware compression (file, folder, table, austen, "
+                   "r8-train; default: the bundled Austen, its train split)")
+    p.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration blocks of --calib-len tokens (64)")
+    p.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    p.add_argument("--calibration", choices=("sequential", "original"), default="sequential",
+                   help="sequential (default): each layer on what the compressed layers before it produce; original: "
+                        "every layer on the original model's activations")
+    p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
+                   help="uniform: every chosen layer at --width; per-layer: the same total width, each layer's chosen "
+                        "by its measured effect on the model's output (calibrated mode only)")
+    p.add_argument("--no-refit", action="store_true",
+                   help="keep the narrowed MLP's down projection as the method makes it (no least-squares refit)")
+    p.add_argument("--data-free", action="store_true",
+                   help="the papers' one-shot compression, no calibration data (what --layerwise and torchrun do)")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of k-means, sampling and tuning (0)")
     p.add_argument("--n-init", type=integer(1), default=3, help="k-means restarts (3)")
     p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")

@@ -26,7 +26,7 @@ ACTIONS = ("rank", "sweep")
 # The options each form accepts (argparse dests); the others must keep their defaults.
 TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
               "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
-              "seed", "checkpoint", "overwrite", "layerwise"}
+              "seed", "checkpoint", "overwrite", "layerwise", "calib_data", "calib_blocks", "calib_len", "data_free"}
 RANK_OPTS = {"out", "rank", "budget", "form", "overwrite", "layerwise"}
 SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
 
@@ -100,7 +100,9 @@ def run_nest(args) -> dict:
             args.quiet = True  # rank 0 shows the stages and progress
     out = nsn.nest_model(words[0] if words else None, args.out, cfg, train, data=args.data, batch_size=args.batch_size,
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
-                         overwrite=args.overwrite, device=device, progress=progress(args))
+                         overwrite=args.overwrite, device=device, progress=progress(args), calib_data=args.calib_data,
+                         calib_blocks=args.calib_blocks, calib_len=args.calib_len,
+                         data_free=args.data_free or parallel.launched())
     return {"action": "train", **out}
 
 
@@ -117,6 +119,9 @@ def _nest_layerwise(args, cfg) -> dict:
     if args.train_steps or args.data:
         raise MLPSurgeryError("--layerwise nests without training (--train-steps 0, no --data): train the folder it "
                               "writes afterwards, or drop --layerwise")
+    if args.calib_data:
+        raise MLPSurgeryError("--layerwise nests data-free (the plain SVD start): drop --calib-data, or drop "
+                              "--layerwise for the whitened start")
     model = args.words[0] if args.words else None
     check_out(args.out, args.overwrite, inputs=[model])
     folder, source, name = checkpoint_folder(model)
@@ -208,6 +213,12 @@ def register(sub, groups) -> None:
                                   "for causal LMs, r8-train for encoders. For `sweep`: evaluation data (default: the "
                                   "held-out split of austen, or r8-test)")
     g.add_argument("--train-steps", type=integer(0), default=0, help="multi-rank training steps (0: SVD init only)")
+    g.add_argument("--calib-data", help="text whose MLP inputs whiten the SVD start (file, folder, table, austen, "
+                   "r8-train; default: the bundled Austen's train split)")
+    g.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration blocks (64)")
+    g.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    g.add_argument("--data-free", action="store_true", help="the paper's plain SVD start, no calibration data (what "
+                   "--layerwise and torchrun do)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")

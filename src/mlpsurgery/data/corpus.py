@@ -3,6 +3,8 @@ fixed-length token blocks inside one document and one side of the split."""
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,10 +86,29 @@ def backend_encode(tokenizer, text: str):
             backend.enable_padding(**pad)
 
 
+_ENCODED: dict[tuple[str, str], list[int]] = {}  # (tokenizer digest, text digest) -> ids, for long texts
+_ENCODED_MAX = 16
+_LONG = 100_000  # characters: a text worth remembering (a novel takes seconds to tokenize)
+
+
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` without special tokens, however long (no truncation, no length warning)."""
+    """Token ids of `text` without special tokens, however long (no truncation, no length warning). A long text
+    encoded by a fast tokenizer is remembered for this process (the bundled corpora are read by several steps of
+    one run: calibration, recovery, evaluation), keyed by the digests of the tokenizer's full definition and the
+    text, so another tokenizer or text never meets it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    key = None
+    if backend is not None and len(text) >= _LONG:
+        key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest())
+        if key in _ENCODED:
+            return list(_ENCODED[key])
     enc = backend_encode(tokenizer, text)
-    return enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False)
+    ids = enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False)
+    if key is not None:
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.pop(next(iter(_ENCODED)))
+        _ENCODED[key] = list(ids)
+    return ids
 
 
 def default_bos(tokenizer) -> int | None:

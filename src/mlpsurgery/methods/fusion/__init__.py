@@ -80,10 +80,16 @@ def layers_and_width(sites, cfg: FusionConfig) -> tuple[list[int], int]:
 
 
 def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor | None = None,
-         progress: bool = True, checkpoint_dir=None) -> dict:
+         progress: bool = True, checkpoint_dir=None, calib_data: Tensor | None = None) -> dict:
     """Compress the chosen layers' MLPs of `model` in place with config.method; tune them layer-wise on
     `tune_data` ((N, T) token blocks of task text) when given. Returns a report; records the run in the
     model's history (saved by mlpsurgery.save).
+
+    calib_data ((N, T) token blocks): the data-aware mode. Each chosen layer is compressed on the MLP inputs of these
+    blocks -- as the already-compressed layers before it produce them (cfg.calibration 'sequential', SparseGPT's
+    order) or as the original model does ('original') --: neurons scored by their output energy, svd whitened, and
+    the down projection of every narrowed MLP refit to the original MLP's output (methods/reconstruct). Without it
+    the compression is data-free (the papers' setting). One process only (not under torchrun).
 
     Under torchrun (N ranks, every one holding the same model and data) the work is split by layer, as DLR-Lock's
     phase 1 is: rank r captures, compresses and tunes layers r, r+N, ... of the chosen ones (the k-means, the
@@ -102,6 +108,17 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     if cfg.importance == "activation" and cfg.method == "neuron" and tune_data is None:
         raise MLPSurgeryError("importance='activation' scores neurons on text: give tune data (--tune-data)")
     rank, world = parallel.world()
+    if calib_data is not None:
+        if world > 1:
+            raise MLPSurgeryError("the data-aware fuse (calibration data) runs in one process: drop torchrun, or "
+                                  "compress data-free (--data-free) and split only the tuning over the ranks")
+        if cfg.method == "magnitude":
+            raise MLPSurgeryError("magnitude pruning is data-free; drop the calibration data (--data-free) or use "
+                                  "`prune --method wanda` / `sparsegpt` for calibrated unstructured pruning")
+        return _fuse_calibrated(model, cfg, layers, k, calib_data, tune_data, progress, checkpoint_dir)
+    if cfg.budget != "uniform":
+        raise MLPSurgeryError("a per-layer budget is measured on calibration data: give it (--calib-data), or keep "
+                              "the uniform budget")
     own = split_share(layers, tune_data is not None)
     digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
     if world > 1:
@@ -143,3 +160,82 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
            tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)
     return report
 
+
+def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: int, calib: Tensor,
+                     tune_data: Tensor | None, progress: bool, checkpoint_dir) -> dict:
+    """`fuse` with calibration data, in one process (see its docstring)."""
+    from ..reconstruct.budget import plan_widths
+    from ..reconstruct.sequential import sequential
+
+    sites = find_sites(model)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows: dict[int, dict] = {}
+    widths = {i: k for i in layers}
+    plan = None
+    if cfg.budget == "per-layer":
+        plan = plan_widths(model, calib, widths, progress=progress)
+        widths = {p.layer: p.width for p in plan}
+    original = capture = None
+    if tune_data is not None:  # the original MLPs' inputs and outputs on the tune text, before any change
+        capture = capture_mlp_io(model, tune_data, layers=layers, progress=progress)
+    if cfg.calibration == "original":  # every layer's rows from the dense model, in one pass
+        original = capture_mlp_io(model, calib, layers=layers, progress=progress, batch_size=cfg.calib_batch)
+
+    probes = _ErrorProbes(sites, layers, capture, cfg.seed) if capture is not None else None
+
+    def work(i: int, x: Tensor, x_ref: Tensor | None = None, y_ref: Tensor | None = None) -> None:
+        site = sites.mlp[i]
+        if widths[i] == site.h:  # left whole by the per-layer budget (its draws taken all the same)
+            draw_layer(site.h, widths[i], cfg, gen)
+            rows[i] = {"layer": i, "h": widths[i], "width": widths[i], "whole": True, "error_rel": 0.0}
+            count_after(site, rows[i])
+            rows[i]["params_before"] = rows[i]["params_after"]
+            return
+        # the error is measured where the layer is fitted: on (up to PROBE_ROWS of) its calibration rows, or on the
+        # tune data's captured rows when there is tune data (as the data-free fuse measures it)
+        probe = x[torch.linspace(0, len(x) - 1, min(len(x), _ErrorProbes.PROBE_ROWS)).long()]
+        with torch.no_grad():
+            ref = site.subblock(probe).float()
+        target = None if x_ref is None else x_ref + y_ref - x  # where the original stream goes, from where this is
+        row = compress_site(site, widths[i], cfg, gen, progress=False, calib=x, target=target)
+        count_after(site, row)
+        if probes is not None:
+            row["error_rel"] = probes.error(i)
+        else:
+            with torch.no_grad():
+                row["error_rel"] = float((site.subblock(probe).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        rows[i] = row
+
+    if original is None:
+        if cfg.calibration == "corrective" and any(sites.mlp[i].inner_post_norm is not None for i in layers):
+            raise MLPSurgeryError("calibration 'corrective' fits the MLP's output to a residual-stream target, and this "
+                                  "architecture normalises the MLP's output inside the sub-block; use 'sequential'")
+        sequential(model, calib, layers, work, batch_size=cfg.calib_batch, progress=progress, desc=cfg.method,
+                   reference=cfg.calibration == "corrective")
+    else:
+        for i in tqdm(layers, desc=cfg.method, unit="layer", disable=not progress):
+            work(i, original.layer(i)[0])
+    report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg),
+              "sites": [rows[i] for i in layers],
+              "calibration": {"mode": cfg.calibration, "blocks": list(calib.shape), "tokens": int(calib.numel())},
+              "widths": {i: widths[i] for i in layers},
+              "budget": None if plan is None else [asdict(p) for p in plan],
+              "error_inputs": probes.description if probes is not None else
+              (f"the calibration blocks' MLP inputs (up to {_ErrorProbes.PROBE_ROWS} token rows per layer) as the layer "
+               "saw them while compressed" + (" (after the compressed layers before it)" if original is None else
+                                              " (in the original model)")
+               + "; reference: the original MLP on the same inputs")}
+    if capture is not None:
+        capture.keep(layers)
+        report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
+                                       settings={"data": _digest(tune_data), "data_shape": list(tune_data.shape),
+                                                 "calibration": _digest(calib)})  # (it made the MLPs being tuned)
+        for i in layers:
+            rows[i]["error_rel_tuned"] = probes.error(i)
+    record(model, "fusion", asdict(cfg), width=k, layers=layers, calib_tokens=int(calib.numel()),
+           tune_tokens=int(tune_data.numel()) if tune_data is not None else 0)
+    return report
+
+
+def _digest(t: Tensor) -> str:
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()

@@ -82,14 +82,18 @@ def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float,
     return y.detach(), mmd
 
 
-def _importance(w: MLPWeights, x: Tensor | None) -> Tensor:
-    """(h,) neuron scores: mean |activation| on x (MLP inputs) or, without data, the product of the
-    neuron's input-weight norms; times the norm of its output weights in both cases."""
+def _importance(w: MLPWeights, x: Tensor | None, kind: str = "activation") -> Tensor:
+    """(h,) neuron scores: on x (MLP inputs) the mean |activation| (kind 'activation') or its root mean square (kind
+    'output': with the norm below, the energy the neuron alone adds to the output) or, without data, the product of
+    the neuron's input-weight norms; times the norm of its output weights in every case."""
     out_norm = w.down.float().norm(dim=0)
     if x is not None:
-        acts = torch.cat([w.inner(x[s:s + 4096].to(w.up)).abs().float().sum(0, keepdim=True)
-                          for s in range(0, len(x), 4096)]).sum(0) / len(x)
-        return acts * out_norm
+        def part(a: Tensor) -> Tensor:
+            a = a.float()
+            return (a.abs() if kind == "activation" else a * a).sum(0, keepdim=True)
+
+        acts = torch.cat([part(w.inner(x[s:s + 4096].to(w.up))) for s in range(0, len(x), 4096)]).sum(0) / len(x)
+        return (acts if kind == "activation" else acts.sqrt()) * out_norm
     score = torch.cat([w.up, w.up_bias[:, None]], 1).float().norm(dim=1) if w.up_bias is not None \
         else w.up.float().norm(dim=1)
     if w.gated:
@@ -106,19 +110,52 @@ def _svd_(site: MLPSite, k: int, h: int) -> list[dict]:
     for role, mod in site.linears().items():
         weight, bias = linear_weight(mod)
         out_f, in_f = weight.shape
-        rank = max(1, (out_f * in_f * k // h) // (out_f + in_f))
+        rank = svd_rank(out_f, in_f, k, h)
         site.replace_linear(role, TruncatedSVDLinear.from_weight(weight, bias, rank, dense_class=type(mod).__name__))
         ranks.append({"projection": role, "shape": [out_f, in_f], "rank": rank})
     return ranks
 
 
+def importance_kind(cfg: FusionConfig, calibrated: bool) -> str:
+    """The neuron score cfg asks for: 'auto' is the output energy with calibration data (on SmolLM2 as good as the
+    structured OBS selection and several times faster: docs/frontier.md), the weights without."""
+    if cfg.importance == "auto":
+        return "output" if calibrated else "weight"
+    return cfg.importance
+
+
+def _obs_keep(w: MLPWeights, xin: Tensor, k: int, info: dict) -> Tensor:
+    """The k neurons the greedy structured OBS keeps (methods/reconstruct/obs.py) on MLP inputs xin."""
+    from ..reconstruct.layer import second_moment
+    from ..reconstruct.obs import obs_prune
+
+    G = second_moment(xin.to(w.up), w.inner)
+    a_mean = None
+    if w.down_bias is not None:
+        with torch.no_grad():
+            a_mean = sum(w.inner(xin[s:s + 4096].to(w.up)).double().sum(0).cpu()
+                         for s in range(0, len(xin), 4096)) / len(xin)
+    path = obs_prune(G, w.down.cpu(), k, bias=None if w.down_bias is None else w.down_bias.cpu(), a_mean=a_mean)
+    info["obs_error"] = path.error[-1]
+    return path.kept(w.h).to(w.up.device)
+
+
 def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator,
-                  x: Tensor | None = None, progress: bool = False) -> dict:
-    """Compress one MLP with cfg.method to width k (in place, through the site). x: captured MLP inputs
-    (only for importance='activation'). Returns what was done (for the report). Draws from `gen` what
-    `draw_layer` draws, and nothing else."""
+                  x: Tensor | None = None, progress: bool = False, calib: Tensor | None = None,
+                  target: Tensor | None = None) -> dict:
+    """Compress one MLP with cfg.method to width k (in place, through the site). x: captured residual-stream rows
+    entering the sub-block (for a data-scored neuron importance). calib: the same for the data-aware mode (`fuse`
+    with calibration data): neurons scored on them (importance 'auto'), svd whitened in their metric (cfg.whiten),
+    and the down projection refit to the original MLP's output on them (cfg.refit; every method that narrows the
+    MLP); target: rows (n, d) the refit aims at instead of the original MLP's output on calib. Returns what was done
+    (for the report). Draws from `gen` what `draw_layer` draws, and nothing else."""
+    from ..reconstruct.layer import mlp_inputs, refit_module_, whitened_svd_
+
     w = site.read()
     h = w.h
+    xin = None if calib is None else mlp_inputs(site, calib)
+    if x is None and calib is not None:
+        x = calib
     if not 1 <= k <= h:
         raise MLPSurgeryError(f"layer {site.index}: width must be between 1 and the MLP's inner width {h}, got {k}")
     drawn = draw_layer(h, k, cfg, gen)
@@ -153,19 +190,40 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
         info["mmd2"] = mmd
     elif method in ("neuron", "random"):
         if method == "neuron":
-            xin = None if x is None else _mlp_input(site, x.to(w.up))
-            keep = _importance(w, xin).argsort(descending=True)[:k].sort().values
+            kind = importance_kind(cfg, calib is not None)
+            if kind != "weight" and x is None:
+                raise MLPSurgeryError(f"importance {kind!r} scores neurons on text: give calibration or tune data")
+            scored = None if kind == "weight" else (xin if x is calib else _mlp_input(site, x.to(w.up)))
+            if kind == "obs":
+                keep = _obs_keep(w, scored, k, info)
+            else:
+                keep = _importance(w, scored, kind).argsort(descending=True)[:k].sort().values
+            info["importance"] = kind
         else:
             keep = drawn["keep"]
         module = DenseMLP.from_weights(w.select(keep))
         info["kept_neurons"] = keep.tolist() if k <= 64 else f"{k} of {h}"
     elif method == "svd":
-        info["ranks"] = _svd_(site, k, h)
+        if xin is not None and cfg.whiten:
+            if site.replaced:
+                raise MLPSurgeryError(f"layer {site.index}: the svd baseline factorises the stock projections, and "
+                                      f"this MLP was replaced by {type(site.module).__name__}; apply svd first")
+            info["ranks"] = whitened_svd_(site, lambda o, i: svd_rank(o, i, k, h), xin, refit=cfg.refit)
+            info["whitened"] = True
+        else:
+            info["ranks"] = _svd_(site, k, h)
         module = None
     else:  # magnitude: fuse() zeroes the smallest weights in place (methods/pruning/magnitude.py); the shape stays
         module = None
     if module is not None:
         module.to(device=w.up.device, dtype=w.up.dtype)
+        if xin is not None and cfg.refit:
+            info["refit"] = refit_module_(module, w, xin, y=target)
         site.replace_mlp(module)
     return info
+
+
+def svd_rank(out_f: int, in_f: int, k: int, h: int) -> int:
+    """The rank at which a factored (out, in) projection keeps k/h of its weights."""
+    return max(1, (out_f * in_f * k // h) // (out_f + in_f))
 

@@ -11,6 +11,9 @@ METHODS = ("fusion", "cluster", "svd", "sketch", "mmd", "magnitude", "neuron", "
 
 
 DEFAULT_LAYERS = "last2/3"
+IMPORTANCE = ("auto", "weight", "obs", "output", "activation")
+CALIBRATION = ("sequential", "original", "corrective")
+BUDGETS = ("uniform", "per-layer")
 
 
 @dataclass
@@ -27,7 +30,20 @@ class FusionConfig:
     device: str | None = None  # where k-means / MMD run (default: the model's device)
     mmd_steps: int = 150  # Adam steps on the support vectors
     mmd_lr: float = 0.03  # in units of the neuron vectors' standard deviation
-    importance: str = "weight"  # neuron pruning score: weight (data-free) | activation (needs tune data)
+    # neuron pruning selection: auto (output with calibration data, else weight) | weight (data-free) | obs (greedy
+    # structured optimal brain surgeon on the inner activations, methods/reconstruct/obs.py) | output (the neuron's
+    # output energy on data: RMS activation x ||down column||) | activation (mean |activation| x ||down column||)
+    importance: str = "auto"
+    # Data-aware mode (fuse(calib_data=...)): every layer compressed on what the compressed layers before it produce
+    # sequential | original (every layer on the original model's activations) | corrective (sequential, and the refit
+    # aims the sub-block at where the original model's residual stream goes: it also undoes the drift of the layers
+    # before it)
+    calibration: str = "sequential"
+    refit: bool = True  # the down projection refit by ridge least squares to the original MLP's output (not svd)
+    whiten: bool = True  # svd: factorise each projection in the metric of its inputs (SVD-LLM) instead of plainly
+    calib_batch: int = 8  # calibration blocks per forward
+    budget: str = "uniform"  # uniform: every layer at width k | per-layer: the same total width, each layer's by its
+    # measured sensitivity (methods/reconstruct/budget.py; needs calibration data)
     tune_steps: int | None = None  # layer-wise tuning steps; None: one epoch over the tune tokens
     tune_lr: float = 1e-3
     tune_batch: int = 512  # token rows per tuning step
@@ -35,8 +51,12 @@ class FusionConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise MLPSurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.importance not in ("weight", "activation"):
-            raise MLPSurgeryError(f"importance must be 'weight' or 'activation', not {self.importance!r}")
+        if self.importance not in IMPORTANCE:
+            raise MLPSurgeryError(f"importance must be one of {', '.join(IMPORTANCE)}, not {self.importance!r}")
+        if self.budget not in BUDGETS:
+            raise MLPSurgeryError(f"budget must be one of {', '.join(BUDGETS)}, not {self.budget!r}")
+        if self.calibration not in CALIBRATION:
+            raise MLPSurgeryError(f"calibration must be one of {', '.join(CALIBRATION)}, not {self.calibration!r}")
         if self.n_init < 1 or self.max_iter < 1:
             raise MLPSurgeryError("n_init and max_iter must be at least 1")
 

@@ -36,9 +36,13 @@ def is_labelled(data: str | None) -> bool:
 def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: NSNTrainConfig | None = None,
                data: str | None = None, batch_size: int = 8, block_len: int = 128, max_len: int = 128,
                checkpoint_dir: str | Path | None = None, overwrite: bool = False, device: str = "cpu",
-               progress: bool = True) -> dict:
+               progress: bool = True, calib_data: str | None = None, calib_blocks: int = 64, calib_len: int = 128,
+               data_free: bool = False) -> dict:
     """Load MODEL, nest it, train it with the multi-rank objective when train.fit.steps > 0 (language
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
+
+    The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data's train split (the bundled
+    Austen by default; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2).
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
@@ -61,7 +65,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     progress = progress and rank == 0
 
     def claims():  # rank 0's (every rank hears of a refusal); before hours of training
-        check_out(out, overwrite, inputs=[model_spec, data, ckpt if steps > 0 else None])
+        check_out(out, overwrite, inputs=[model_spec, data, calib_data, ckpt if steps > 0 else None])
         if steps > 0:
             check_state(ckpt, inputs=[model_spec, data, out])
 
@@ -89,8 +93,16 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         loaded.model.config.id2label = dict(enumerate(labelled.classes))
         loaded.model.config.label2id = {c: i for i, c in enumerate(labelled.classes)}
     model, tok = loaded.model.to(device), loaded.tokenizer
-    nest(model, cfg, progress=progress)
+    calib = None
+    if not data_free:
+        from ...data import text_blocks
+
+        stage(f"reading the calibration text {calib_data or 'austen (train split)'} for the whitened start", progress)
+        calib = text_blocks(calib_data, loaded.require_tokenizer(), block_len=calib_len, max_blocks=calib_blocks,
+                            seed=train.fit.seed if train else 0)
+    nest(model, cfg, progress=progress, calib_data=calib)
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
+                    "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)",
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"]}
     if steps > 0:
@@ -193,6 +205,7 @@ def _nest_sharded(model_spec, out: Path, cfg: NSNConfig, train: NSNTrainConfig, 
     model = loaded.model
     record(model, "nsn", asdict(cfg), projections=count)
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
+                    "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)",
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"], "loaded_into_shards": True}
     tok = loaded.require_tokenizer()

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from torch import nn
+from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from ...errors import MLPSurgeryError
 from ...io import record
 from ...modules.nested import NestedLinear
 from ...sites import find_sites, linear_weight, parse_layers
+from ..reconstruct.whiten import whitened_factors
 
 MODULE_CHOICES = ("mlp", "mlp+attn")
 
@@ -84,16 +85,36 @@ def check_config(cfg: NSNConfig) -> None:
         raise MLPSurgeryError(f"max_rank must be at least 1, not {cfg.max_rank}")
 
 
-def nest_slot(slot: _Slot, cfg: NSNConfig) -> None:
-    """One projection replaced by its SVD-initialised NestedLinear (rank capped at min(in, out))."""
+def nest_slot(slot: _Slot, cfg: NSNConfig, C: Tensor | None = None) -> None:
+    """One projection replaced by its SVD-initialised NestedLinear (rank capped at min(in, out)); with C, the second
+    moment of its inputs, by the whitened SVD (methods/reconstruct/whiten.py: each rank the best in the metric of those
+    inputs; nested and exact at full rank all the same)."""
     weight, bias = linear_weight(slot.module)
     R = min(cfg.max_rank or min(weight.shape), min(weight.shape))
-    slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=type(slot.module).__name__))
+    dense_class = type(slot.module).__name__
+    if C is None:
+        slot.replace(NestedLinear.from_weight(weight, bias, R, dense_class=dense_class))
+        return
+    B, A, _ = whitened_factors(weight, C)
+    slot.replace(NestedLinear.from_factors(B[:, :R], A[:R], bias, dense_class=dense_class, like=weight))
 
 
-def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False) -> nn.Module:
+def input_moments_of(model: nn.Module, slots: list[_Slot], calib: Tensor, batch_size: int = 8) -> dict[int, Tensor]:
+    """{id(slot): E[x xᵀ]} of every slot's inputs on the calibration blocks (N, T), in the model as it is (one pass)."""
+    from ..pruning.calibrated import input_moments
+
+    linears = {str(n): s.module for n, s in enumerate(slots)}
+    moments = input_moments(model, calib, linears, stop_after=max(s.index for s in slots), batch_size=batch_size)
+    return {n: moments[str(n)] for n in range(len(slots)) if str(n) in moments}
+
+
+def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
+         calib_data: Tensor | None = None) -> nn.Module:
     """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
-    progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections)."""
+    progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections).
+    calib_data ((N, T) token blocks): the whitened start -- each projection factorised in the metric of its inputs on
+    these blocks (the original model's, measured in one pass before any change), so that every rank is the best of its
+    size for the outputs the layer really produces; without it the plain SVD (the paper's B.2)."""
     from tqdm.auto import tqdm
 
     cfg = cfg or NSNConfig()
@@ -104,10 +125,15 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False)
     if done:
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
-    for slot in tqdm(slots, desc="SVD", unit="projection", disable=not progress):
-        nest_slot(slot, cfg)
+    moments = {}
+    if calib_data is not None and slots:
+        moments = input_moments_of(model, slots, calib_data)
+    for n, slot in enumerate(tqdm(slots, desc="whitened SVD" if moments else "SVD", unit="projection",
+                                  disable=not progress)):
+        nest_slot(slot, cfg, moments.pop(n, None))
         slot.module = None  # the replaced projection is freed now, not when the last one is done
-    record(model, "nsn", asdict(cfg), projections=len(slots))
+    record(model, "nsn", asdict(cfg), projections=len(slots),
+           **({"calib_tokens": int(calib_data.numel()), "init": "whitened svd"} if calib_data is not None else {}))
     return model
 
 
