@@ -33,6 +33,24 @@ def _whole(folder, out, cfg, dtype=None):
     return report
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "bert", "gemma2", "phi3"])
+@pytest.mark.parametrize("method, calibration", [("neuron", "sequential"), ("svd", "sequential"),
+                                                 ("fusion", "original")])
+def test_calibrated_fuse_layer_by_layer_writes_the_whole_model_folder(tmp_path, arch, method, calibration):
+    """The data-aware fuse (calibration stream through the layers, each compressed on what reaches it) layer by layer
+    writes what the whole-model one writes, bit for bit."""
+    src = saved_checkpoint(tmp_path, arch)
+    calib = torch.randint(3, 250, (6, 24), generator=torch.Generator().manual_seed(0))
+    cfg = FusionConfig(width=24, layers="all", n_init=1, method=method, calibration=calibration, calib_batch=4)
+    loaded = load_model(src)
+    whole = fuse(loaded.model, cfg, progress=False, calib_data=calib)
+    save(loaded.model, tmp_path / "whole")
+    lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False, calib_data=calib)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["sites"] == whole["sites"] and lw["calibration"] == whole["calibration"]
+    assert lw["error_inputs"] == whole["error_inputs"]
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_layerwise_fusion_equals_whole_model_bit_for_bit(tmp_path, arch):
     src = saved_checkpoint(tmp_path, arch)
@@ -167,6 +185,17 @@ def test_cli_fuse_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     a, b = file_tensors(tmp_path / "whole-t"), file_tensors(tmp_path / "lw-t")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "lw-t.work").exists()
+    # calibrated (named, layer by layer; the default of the whole-model command), with the tune data too
+    calibrated = [*tuned[:-2], "--calib-data", "austen", "--calib-blocks", "4", "--calib-len", "32", "--quiet", "--json"]
+    calibrated.remove("--data-free")
+    assert main([*calibrated, "--out", str(tmp_path / "whole-c")]) == 0
+    whole_c = json.loads(capsys.readouterr().out)
+    assert main([*calibrated, "--layerwise", "--out", str(tmp_path / "lw-c")]) == 0
+    lw_c = json.loads(capsys.readouterr().out)
+    assert lw_c["sites"] == whole_c["sites"] and lw_c["calibration"]["tokens"] == whole_c["calibration"]["tokens"] == 128
+    assert all("error_rel_tuned" in r and r["refit"]["refit"] for r in lw_c["sites"])
+    c, d = file_tensors(tmp_path / "whole-c"), file_tensors(tmp_path / "lw-c")
+    assert c.keys() == d.keys() and all(torch.equal(c[k], d[k]) for k in c)
     # --max-memory just above one layer, the embeddings and a layer's captured pairs: the tune stream goes to files
     # in the work folder from the first batch on, and the folder is the same
     from mlpsurgery.layerwise import LayerStream
@@ -232,11 +261,15 @@ def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     _same_folders(tmp_path / "whole", tmp_path / "lw", method="nsn")
     assert main(["nest", str(src), "--layerwise", "--train-steps", "2", "--out", str(tmp_path / "x1")]) == 2
     assert main(["nest", "tiny:llama", "--layerwise", "--out", str(tmp_path / "x2")]) == 2
-    # the whitened start needs the whole model's forward: refused layer by layer, nothing written
-    assert main(["nest", str(src), "--layerwise", "--calib-data", "austen", "--out", str(tmp_path / "x3")]) == 2
-    assert main(["fuse", str(src), "--width", "8", "--layerwise", "--calib-data", "austen",
-                 "--out", str(tmp_path / "x4")]) == 2
-    assert not (tmp_path / "x3").exists() and not (tmp_path / "x4").exists()
+    # the whitened start, layer by layer when asked for by name: the whole-model command's folder
+    white = [*common, "--calib-data", "austen", "--calib-blocks", "4", "--calib-len", "32"]
+    white.remove("--data-free")
+    assert main([*white, "--out", str(tmp_path / "whole-w")]) == 0
+    assert main([*white, "--layerwise", "--out", str(tmp_path / "lw-w")]) == 0
+    capsys.readouterr()
+    _same_folders(tmp_path / "whole-w", tmp_path / "lw-w", method="nsn")
+    a, b = file_tensors(tmp_path / "whole-w"), file_tensors(tmp_path / "lw")
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # and not the plain SVD's
     assert not any((tmp_path / x).exists() for x in ("x1", "x2"))
 
 

@@ -34,12 +34,12 @@ def run_fuse(args) -> dict:
     inputs = [args.model, args.tune_data, args.calib_data]
     # torchrun: the layer-wise tuning split by layer over the ranks (whole model, or layer by layer)
     device, rank, world = join_ranks(args)
-    if args.calib_data and (args.data_free or args.layerwise or world > 1):
-        raise MLPSurgeryError("--calib-data is for the data-aware whole-model fuse in one process; drop it with "
-                              "--data-free, --layerwise or torchrun (those compress data-free)")
+    if args.calib_data and (args.data_free or world > 1):
+        raise MLPSurgeryError("--calib-data is for the data-aware fuse in one process; drop it with --data-free or "
+                              "torchrun (those compress data-free)")
     if args.budget != "uniform" and (args.data_free or args.layerwise or world > 1 or args.method == "magnitude"):
-        raise MLPSurgeryError("--budget per-layer is measured on calibration data, which the data-free modes "
-                              "(--data-free, --layerwise, torchrun, magnitude) do not use: drop it, or those")
+        raise MLPSurgeryError("--budget per-layer is measured on calibration data with the whole model, which "
+                              "--data-free, --layerwise, torchrun and magnitude do not do: drop it, or those")
     if args.method == "magnitude" and args.calib_data:
         raise MLPSurgeryError("magnitude pruning is data-free: drop --calib-data (or use `prune --method wanda`)")
 
@@ -107,7 +107,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     from ..methods.fusion.layerwise import check_layerwise, fuse_layerwise
     from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
 
-    check_layerwise(cfg, tune=bool(args.tune_data))
+    check_layerwise(cfg, tune=bool(args.tune_data), calibrated=bool(args.calib_data))
     if args.max_memory is not None and not args.tune_data:
         raise MLPSurgeryError("--max-memory caps the tune data's hidden states, which only --tune-data has (without "
                               "it the layer-by-layer mode holds one layer and the embeddings): drop --max-memory")
@@ -117,7 +117,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     folder, source, name = checkpoint_folder(args.model)
     tok = _tokenizer(folder)
     tune, work = None, Path(str(args.out) + ".work")  # the captured pairs of the layer being tuned
-    inputs = [args.model, args.tune_data]
+    inputs = [args.model, args.tune_data, args.calib_data]
     check_out(args.out, args.overwrite, inputs=inputs + [work])
     if args.tune_data:
         check_state(work, inputs=inputs + [args.out], what="work")
@@ -126,11 +126,19 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
         stage(args, f"reading and tokenising the tune data {args.tune_data}")
         tune = text_blocks(args.tune_data, tok, block_len=args.block_len, max_blocks=args.tune_blocks,
                            seed=args.seed)
+    calib = None
+    if args.calib_data:  # layer by layer the data-aware mode is asked for by name (the default stays data-free)
+        if tok is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration data needs; add its tokenizer "
+                                  "files")
+        stage(args, f"reading and tokenising the calibration data {args.calib_data}")
+        calib = text_blocks(args.calib_data, tok, block_len=args.calib_len, max_blocks=args.calib_blocks,
+                            seed=args.seed)
     report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok, overwrite=args.overwrite,
                             inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
                             workdir=work if tune is not None else None, max_memory_gb=args.max_memory,
-                            check=lambda m: check_context(m, args.block_len) if tune is not None else None,
-                            device=device)
+                            check=lambda m: _check_lengths(m, args, tune is not None, calib is not None),
+                            device=device, calib_data=calib)
     parallel.barrier()  # (every rank done with its captures before rank 0 removes the work folder)
     if parallel.world()[0] != 0:
         return {**report, "peak_rss_bytes": peak_rss(), "seconds": time.perf_counter() - t0}
@@ -139,6 +147,15 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     report.update(model=source, out=args.out, seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss())
     report["plot"] = draw("per-layer error", lambda: plot_fuse(report, Path(args.out) / "fuse-error.png"))
     return report
+
+
+def _check_lengths(model, args, tune: bool, calibrated: bool) -> None:
+    from ..models import check_context
+
+    if tune:
+        check_context(model, args.block_len)
+    if calibrated:
+        check_context(model, args.calib_len)
 
 
 def plot_fuse(r: dict, path):
@@ -277,7 +294,8 @@ def register(sub, groups) -> None:
     p.add_argument("--no-refit", action="store_true",
                    help="keep the narrowed MLP's down projection as the method makes it (no least-squares refit)")
     p.add_argument("--data-free", action="store_true",
-                   help="the papers' one-shot compression, no calibration data (what --layerwise and torchrun do)")
+                   help="the papers' one-shot compression, no calibration data (what torchrun does, and --layerwise "
+                        "unless --calib-data is given)")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of k-means, sampling and tuning (0)")
     p.add_argument("--n-init", type=integer(1), default=3, help="k-means restarts (3)")
     p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")

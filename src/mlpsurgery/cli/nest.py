@@ -119,16 +119,24 @@ def _nest_layerwise(args, cfg) -> dict:
     if args.train_steps or args.data:
         raise MLPSurgeryError("--layerwise nests without training (--train-steps 0, no --data): train the folder it "
                               "writes afterwards, or drop --layerwise")
-    if args.calib_data:
-        raise MLPSurgeryError("--layerwise nests data-free (the plain SVD start): drop --calib-data, or drop "
-                              "--layerwise for the whitened start")
     model = args.words[0] if args.words else None
-    check_out(args.out, args.overwrite, inputs=[model])
+    check_out(args.out, args.overwrite, inputs=[model, args.calib_data])
     folder, source, name = checkpoint_folder(model)
+    tok = _tokenizer(folder)
+    calib = None
+    if args.calib_data and not args.data_free:  # layer by layer the whitened start is asked for by name
+        if tok is None:
+            raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration data needs; add its tokenizer "
+                                  "files")
+        from ..data import text_blocks
+
+        stage(args, f"reading the calibration text {args.calib_data} for the whitened start")
+        calib = text_blocks(args.calib_data, tok, block_len=args.calib_len, max_blocks=args.calib_blocks,
+                            seed=args.seed)
     stage(args, f"nesting {source} layer by layer into {args.out}")
-    out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=_tokenizer(folder),
-                         overwrite=args.overwrite, inputs=[model], source_name=name,
-                         progress=progress(args), device=layer_device(args))
+    out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok,
+                         overwrite=args.overwrite, inputs=[model, args.calib_data], source_name=name,
+                         progress=progress(args), device=layer_device(args), calib_data=calib)
     return {"action": "train", "model": source, **out}
 
 
@@ -218,7 +226,7 @@ def register(sub, groups) -> None:
     g.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration blocks (64)")
     g.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     g.add_argument("--data-free", action="store_true", help="the paper's plain SVD start, no calibration data (what "
-                   "--layerwise and torchrun do)")
+                   "torchrun does, and --layerwise unless --calib-data is given)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")

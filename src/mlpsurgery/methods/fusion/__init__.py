@@ -161,6 +161,42 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     return report
 
 
+def calibrated_layer(site, width: int, cfg: FusionConfig, gen: torch.Generator, x: Tensor, probes=None,
+                     target: Tensor | None = None) -> dict:
+    """One chosen layer of the data-aware fuse (whole model and layer by layer alike): compressed to `width` on its
+    calibration rows x (the residual stream entering its MLP sub-block), its report row with the relative output
+    error measured where it was fitted -- on up to PROBE_ROWS of x, or on the tune data's captured rows (`probes`)
+    when there is tune data, as the data-free fuse measures it. A layer the per-layer budget leaves whole only takes
+    its draws."""
+    if width == site.h:
+        draw_layer(site.h, width, cfg, gen)
+        row = {"layer": site.index, "h": width, "width": width, "whole": True, "error_rel": 0.0}
+        count_after(site, row)
+        row["params_before"] = row["params_after"]
+        return row
+    probe = x[torch.linspace(0, len(x) - 1, min(len(x), _ErrorProbes.PROBE_ROWS)).long()]
+    with torch.no_grad():
+        ref = site.subblock(probe).float()
+    row = compress_site(site, width, cfg, gen, progress=False, calib=x, target=target)
+    count_after(site, row)
+    if probes is not None:
+        row["error_rel"] = probes.error(site.index)
+    else:
+        with torch.no_grad():
+            row["error_rel"] = float((site.subblock(probe).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    return row
+
+
+def calibration_inputs(cfg: FusionConfig, probes) -> str:
+    """The report's `error_inputs` of the data-aware fuse."""
+    if probes is not None:
+        return probes.description
+    return (f"the calibration blocks' MLP inputs (up to {_ErrorProbes.PROBE_ROWS} token rows per layer) as the layer saw "
+            "them while compressed" + (" (in the original model)" if cfg.calibration == "original" else
+                                       " (after the compressed layers before it)")
+            + "; reference: the original MLP on the same inputs")
+
+
 def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: int, calib: Tensor,
                      tune_data: Tensor | None, progress: bool, checkpoint_dir) -> dict:
     """`fuse` with calibration data, in one process (see its docstring)."""
@@ -184,27 +220,8 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
     probes = _ErrorProbes(sites, layers, capture, cfg.seed) if capture is not None else None
 
     def work(i: int, x: Tensor, x_ref: Tensor | None = None, y_ref: Tensor | None = None) -> None:
-        site = sites.mlp[i]
-        if widths[i] == site.h:  # left whole by the per-layer budget (its draws taken all the same)
-            draw_layer(site.h, widths[i], cfg, gen)
-            rows[i] = {"layer": i, "h": widths[i], "width": widths[i], "whole": True, "error_rel": 0.0}
-            count_after(site, rows[i])
-            rows[i]["params_before"] = rows[i]["params_after"]
-            return
-        # the error is measured where the layer is fitted: on (up to PROBE_ROWS of) its calibration rows, or on the
-        # tune data's captured rows when there is tune data (as the data-free fuse measures it)
-        probe = x[torch.linspace(0, len(x) - 1, min(len(x), _ErrorProbes.PROBE_ROWS)).long()]
-        with torch.no_grad():
-            ref = site.subblock(probe).float()
         target = None if x_ref is None else x_ref + y_ref - x  # where the original stream goes, from where this is
-        row = compress_site(site, widths[i], cfg, gen, progress=False, calib=x, target=target)
-        count_after(site, row)
-        if probes is not None:
-            row["error_rel"] = probes.error(i)
-        else:
-            with torch.no_grad():
-                row["error_rel"] = float((site.subblock(probe).float() - ref).norm() / ref.norm().clamp_min(1e-30))
-        rows[i] = row
+        rows[i] = calibrated_layer(sites.mlp[i], widths[i], cfg, gen, x, probes, target)
 
     if original is None:
         if cfg.calibration == "corrective" and any(sites.mlp[i].inner_post_norm is not None for i in layers):
@@ -220,11 +237,7 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
               "calibration": {"mode": cfg.calibration, "blocks": list(calib.shape), "tokens": int(calib.numel())},
               "widths": {i: widths[i] for i in layers},
               "budget": None if plan is None else [asdict(p) for p in plan],
-              "error_inputs": probes.description if probes is not None else
-              (f"the calibration blocks' MLP inputs (up to {_ErrorProbes.PROBE_ROWS} token rows per layer) as the layer "
-               "saw them while compressed" + (" (after the compressed layers before it)" if original is None else
-                                              " (in the original model)")
-               + "; reference: the original MLP on the same inputs")}
+              "error_inputs": calibration_inputs(cfg, probes)}
     if capture is not None:
         capture.keep(layers)
         report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,

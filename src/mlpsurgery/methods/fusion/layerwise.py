@@ -25,6 +25,12 @@ writes the folder in layer order. Each layer is tuned alone in either case, so N
 writes (tested bit for bit). Every rank holds one layer, its captured pairs and the stream, never the model; the
 k-means of the layers is split over the ranks with the rest.
 
+With calibration data (the data-aware mode, `fuse(calib_data=...)`) the calibration blocks flow through the layers
+as a second stream: each chosen layer's MLP inputs are recorded while the layer, still original, runs over the stream,
+the layer is compressed on them (`calibrated_layer`, the whole-model mode's own), and the stream goes on through the
+compressed layer (`calibration` 'sequential'), or through the original one ('original'). In one process; the
+per-layer budget and the corrective target need the whole model and are refused here.
+
 Not here (refused before anything is read or written): the magnitude baseline, whose masks the pruning commands'
 own layer-sequential mode writes (`prune --layerwise`).
 """
@@ -58,9 +64,14 @@ CAPTURE_BATCH = 8  # blocks per forward, as capture_mlp_io runs them (the chunks
 METHODS = ("fusion", "cluster", "svd", "sketch", "mmd", "neuron", "random")
 
 
-def check_layerwise(cfg: FusionConfig, tune: bool = False) -> None:
+def check_layerwise(cfg: FusionConfig, tune: bool = False, calibrated: bool = False) -> None:
     """Refuse what the layer-sequential mode does not do, naming the way out."""
     cfg.validate()
+    if calibrated and (cfg.budget != "uniform" or cfg.calibration == "corrective"):
+        raise MLPSurgeryError("the per-layer budget and the corrective calibration run the whole model: drop "
+                              "--layerwise, or use --budget uniform and --calibration sequential / original")
+    if calibrated and parallel.world()[1] > 1:
+        raise MLPSurgeryError("the data-aware fuse runs in one process: drop torchrun, or compress data-free")
     if cfg.method not in METHODS:
         raise MLPSurgeryError(f"the layer-sequential mode fuses with {', '.join(METHODS)}, not {cfg.method!r} "
                               "(magnitude: use `prune --layerwise --method magnitude`): drop --layerwise")
@@ -81,7 +92,8 @@ class _Captures:
 def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype=None, tokenizer=None,
                    overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True,
                    tune_data: Tensor | None = None, workdir: str | Path | None = None,
-                   max_memory_gb: float | None = None, check=None, device=None) -> dict:
+                   max_memory_gb: float | None = None, check=None, device=None,
+                   calib_data: Tensor | None = None) -> dict:
     """Compress the checkpoint in `folder` layer by layer and save the result to `out` (what `fuse` then `save`
     write); returns fuse's report with the parameter counts before and after. tune_data: (N, T) token blocks for
     layer-wise tuning (and activation importance), captured one layer at a time into `workdir` (a new or empty
@@ -90,8 +102,12 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     compressed and tuned (LayerStream; the CPU by default). Under torchrun the tuning is split by layer (module
     docstring): each rank keeps its captures in `workdir`/rank{r}-of-{N}, rank 0 writes `out` and returns the
     report, the others their share's."""
-    check_layerwise(cfg, tune=tune_data is not None)
+    check_layerwise(cfg, tune=tune_data is not None, calibrated=calib_data is not None)
     tune = tune_data is not None
+    calibrated = calib_data is not None
+    if calibrated and max_memory_gb is not None:
+        raise MLPSurgeryError("--max-memory spills the tune stream to disk, which the calibration stream beside it "
+                              "does not do: drop --max-memory (the calibration blocks are small)")
     if tune and workdir is None:
         raise MLPSurgeryError("layer-wise tuning layer by layer needs a work folder for the captured pairs")
     rank, world = parallel.world()
@@ -112,6 +128,7 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     gen = torch.Generator().manual_seed(cfg.seed)
     caps = _Captures() if tune else None
     probes = _ErrorProbes(sites, layers, caps, cfg.seed)
+    caps_probes = probes if tune else None  # the data-aware mode's errors: on the tune rows, else the calibration rows
     rows, tuning = [], []  # (under torchrun: every layer's on rank 0, its own layers' tuning on the others)
     state = {}
     if tune:
@@ -142,9 +159,40 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
         state["chain"] = digest_chain(state["chain"], i, original)
         state["acts"] = nxt if i < layers[-1] else None  # not needed past the last chosen layer
 
+    if calibrated:
+        from . import calibrated_layer
+
+        state["calib"] = stream.layer_inputs(calib_data, batch_size=cfg.calib_batch)
+
+    def calib_rows(i: int) -> Tensor:
+        """Layer i (still original) over the calibration stream: the rows entering its MLP sub-block; in the
+        'original' mode the stream also goes on through it here."""
+        rows_: list[Tensor] = []
+        hook = sites.mlp[i].entry.register_forward_pre_hook(
+            lambda mod, args: rows_.append(args[0].detach().reshape(-1, args[0].shape[-1]).float()))
+        try:
+            nxt = stream.run(i, state["calib"], keep=cfg.calibration == "original")
+        finally:
+            hook.remove()
+        if nxt is not None:
+            state["calib"] = nxt
+        return torch.cat(rows_)
+
     def work(i: int) -> None:
         if tune and i <= layers[-1]:
             stream_on(i)
+        if calibrated and i <= layers[-1]:
+            if i in layers:
+                rows.append(calibrated_layer(sites.mlp[i], k, cfg, gen, calib_rows(i), caps_probes))
+            if cfg.calibration == "sequential" or i not in layers:  # (before the tuning: as on the whole model,
+                # where every layer is compressed before any is tuned, the next layer sees the untuned one)
+                state["calib"] = stream.run(i, state["calib"]) if i < layers[-1] else None
+            if tune and i in layers:
+                tuning.append(tune_layers(model, caps.by_layer[i], [i], cfg, progress=progress))
+                rows[-1]["error_rel_tuned"] = caps_probes.error(i)
+                del caps.by_layer[i]
+                shutil.rmtree(workdir / f"layer{i:03d}")
+            return
         if i not in layers:
             return
         if i not in own:  # another rank's: only its draws, to keep this rank's generator in step
@@ -179,6 +227,8 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
     rewrite(stream, out, work, f"{cfg.method} (layer by layer)", tokenizer=tokenizer, overwrite=overwrite,
             inputs=[*inputs, *([top] if top is not None else [])], source_name=source_name,
             progress=progress, finish=lambda: record(model, "fusion", asdict(cfg), width=k, layers=layers,
+                                                     **({"calib_tokens": int(calib_data.numel())} if calibrated
+                                                        else {}),
                                                      tune_tokens=int(tune_data.numel()) if tune else 0),
             write=rank == 0)
     if rank != 0:  # its share: the layers it tuned (their rows went to rank 0), and what their tuning held
@@ -191,6 +241,13 @@ def fuse_layerwise(folder: str | Path, out: str | Path, cfg: FusionConfig, dtype
               "mlp_params_after": after["mlp"], "params_before": before["total"], "params_after": after["total"]}
     if tune:
         report["tuning"] = _merge_tuning(tuning)
+    if calibrated:
+        from . import calibration_inputs
+
+        report["calibration"] = {"mode": cfg.calibration, "blocks": list(calib_data.shape),
+                                 "tokens": int(calib_data.numel())}
+        report["widths"] = {i: k for i in layers}
+        report["error_inputs"] = calibration_inputs(cfg, caps_probes)
     if split:
         report["world_size"] = world
     return report

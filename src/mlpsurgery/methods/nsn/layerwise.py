@@ -2,8 +2,9 @@
 
 `nest_layerwise`: the surgery. Every chosen projection of one decoder layer at a time becomes its SVD-initialised
 NestedLinear (surgery.py's own `nest_slot`), is appended to the output and dropped, so a model larger than RAM is
-nested in the memory of one layer plus the embeddings. The folder holds what `nest` + `save` write without
-training (tests/test_layerwise_reshape.py checks it bit for bit); multi-rank training then runs on that folder as
+nested in the memory of one layer plus the embeddings; with calibration blocks (the whitened start) they flow through
+the original layers beside it. The folder holds what `nest` + `save` write without training
+(tests/test_layerwise_reshape.py checks it bit for bit); multi-rank training then runs on that folder as
 on any other (it needs the whole model, or FSDP under torchrun).
 
 `export_rank_layerwise`: `nest rank` on a nested folder. The rank is chosen on the skeleton (it depends on shapes
@@ -16,33 +17,58 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from torch import Tensor
+
 from ...errors import MLPSurgeryError
 from ...io import record
 from ...layerwise import LayerStream, rewrite
 from ...measure.cost import count_params
+from ...sites import find_sites, parse_layers
 from .export import _nested_slots
 from .pipeline import check_rank_args, choose_rank
 from .ranks import nested_flops
-from .surgery import NSNConfig, check_config, max_rank, nest_layer, nested_linears
+from .surgery import NSNConfig, check_config, layer_slots, max_rank, nest_layer, nested_linears
 
 
 def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=None, tokenizer=None,
                    overwrite: bool = False, inputs=(), source_name: str | None = None, progress: bool = True,
-                   device=None) -> dict:
+                   device=None, calib_data: Tensor | None = None) -> dict:
     """Nest the checkpoint in `folder` one layer at a time and save the result to `out` (what `nest` with no
-    training steps writes). device: where each layer's SVDs run (LayerStream; the CPU by default)."""
+    training steps writes). device: where each layer's SVDs run (LayerStream; the CPU by default). calib_data: (N, T)
+    token blocks for the whitened start: they flow through the original layers as the layers are read, and each
+    projection's input moments are summed while its layer runs over them (what `nest(calib_data=...)` measures in
+    one pass of the whole model)."""
+    from ..pruning.calibrated import moment_hooks
+
     check_config(cfg)
     stream = LayerStream(Path(folder), dtype=dtype, device=device)
     model = stream.model
     count = 0
+    state = {}
+    n_layers = len(find_sites(model))
+    chosen = parse_layers(cfg.layers, n_layers)
+    if calib_data is not None and chosen:
+        state["acts"] = stream.layer_inputs(calib_data, batch_size=8)
 
     def work(i: int) -> None:
         nonlocal count
-        count += nest_layer(model, cfg, i)
+        moments = None
+        if "acts" in state and i <= chosen[-1]:
+            slots = layer_slots(model, cfg, i)
+            handles, get = moment_hooks({str(n): s.module for n, s in enumerate(slots)})
+            try:
+                nxt = stream.run(i, state["acts"], keep=i < chosen[-1])
+            finally:
+                for h in handles:
+                    h.remove()
+            state["acts"] = nxt
+            moments = {int(n): m for n, m in get().items()} if slots else None
+        count += nest_layer(model, cfg, i, moments)
 
+    extra = {"calib_tokens": int(calib_data.numel()), "init": "whitened svd"} if calib_data is not None else {}
     rewrite(stream, out, work, "SVD (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
             source_name=source_name, progress=progress,
-            finish=lambda: record(model, "nsn", asdict(cfg), projections=count))
+            finish=lambda: record(model, "nsn", asdict(cfg), projections=count, **extra))
     return {"out": str(out), "config": asdict(cfg), "projections": len(nested_linears(model)),
             "max_rank": max_rank(model), "full_rank_flops_fraction": nested_flops(model)["fraction"],
             "layerwise": True, "dtype": str(stream.dtype).split(".")[-1],

@@ -137,17 +137,23 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
     return model
 
 
-def nest_layer(model: nn.Module, cfg: NSNConfig, i: int) -> int:
-    """`nest` for decoder layer i alone (the layer-by-layer paths: the layer is in memory, the others may not be):
-    its chosen projections replaced, in place; how many."""
+def layer_slots(model: nn.Module, cfg: NSNConfig, i: int) -> list[_Slot]:
+    """The projections `nest` replaces in decoder layer i (none when cfg does not choose the layer)."""
     if i not in parse_layers(cfg.layers, len(find_sites(model))):
-        return 0
-    slots = list(_slots(model, cfg.modules, [i]))
+        return []
+    return list(_slots(model, cfg.modules, [i]))
+
+
+def nest_layer(model: nn.Module, cfg: NSNConfig, i: int, moments: dict[int, Tensor] | None = None) -> int:
+    """`nest` for decoder layer i alone (the layer-by-layer paths: the layer is in memory, the others may not be):
+    its chosen projections replaced, in place; how many. moments: {n: E[x xᵀ]} of the inputs of the layer's n-th
+    slot (`layer_slots`), for the whitened start."""
+    slots = layer_slots(model, cfg, i)
     if any(isinstance(s.module, NestedLinear) for s in slots):
         raise MLPSurgeryError(f"layer {i} already has a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
-    for slot in slots:
-        nest_slot(slot, cfg)
+    for n, slot in enumerate(slots):
+        nest_slot(slot, cfg, None if moments is None else moments[n])
         slot.module = None
     return len(slots)
 
