@@ -14,6 +14,9 @@ kernel. Methods without randomness (svd, magnitude, neuron) run once (std 0).
     OMP_NUM_THREADS=1 flock -s /tmp/mlpsurgery.lock python benchmarks/fusion_table1.py      # runs, resumable
     python benchmarks/fusion_table1.py --report                                           # table + plot
 
+A method written M+calib (e.g. fusion+calib) is `fuse` with calibration data (64 x 128 train-split Austen tokens):
+sequential calibration and the down projection refit, P kept stand-alone.
+
 Results go to runs/fusion_table1.jsonl (one line per method and seed; a rerun skips what is there).
 """
 
@@ -60,7 +63,12 @@ def run(args) -> None:
                 continue
             model = copy.deepcopy(ref)
             t0 = time.perf_counter()
-            rep = fuse(model, FusionConfig(width=args.width, method=method, layers="last2/3", seed=seed), progress=True)
+            base, _, calibrated = method.partition("+")  # "fusion+calib": the data-aware fuse (refit, P kept)
+            calib = None
+            if calibrated:
+                calib = ms.text_blocks(None, loaded.tokenizer, block_len=args.block_len, max_blocks=64, seed=0)
+            rep = fuse(model, FusionConfig(width=args.width, method=base, layers="last2/3", seed=seed), progress=True,
+                       calib_data=calib)
             fuse_s = time.perf_counter() - t0
             k = adam_ntk(model, ids[:args.n_model], layers, progress=True)
             per_mlp = mlp_ntk_error(ref, model, ids, layers=layers, progress=True, reference_cache=mlp_cache)
@@ -90,6 +98,7 @@ def mean_std(xs: list[float]) -> str:
 def report(args) -> None:
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines()]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods += sorted({r["method"] for r in rows} - set(methods))  # the calibrated ones ("fusion+calib")
     by = {m: [r for r in rows if r["method"] == m] for m in methods}
     print("| method | seeds | MLP output error ‖H̃−H‖_F | relative | per-MLP NTK error ‖K̃−K‖_F | "
           "relative | whole-model NTK error ‖K̃−K‖_F | relative | final hidden state rel. error |")

@@ -245,3 +245,24 @@ def test_refit_of_a_model_narrowed_without_data_lowers_every_layers_error(arch):
     infos = refit_model_(small, model, _blocks(), [0, 1])
     assert all(infos[i]["refit"] and infos[i]["error_after"] < infos[i]["error_before"] for i in (0, 1))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the original is left alone
+
+
+def test_a_per_layer_budget_folder_saves_loads_and_exports_with_its_widths(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mlpsurgery.io import export, load, save
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    rep = fuse(model, FusionConfig(width=32, method="neuron", layers="all", budget="per-layer"), calib_data=_blocks(),
+               progress=False)
+    widths = list(rep["widths"].values())
+    assert len(set(widths)) > 1  # the budget did move width between layers
+    ids = _blocks(2, 16, seed=3)
+    save(model, tmp_path / "m")
+    export(tmp_path / "m", tmp_path / "hf")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        assert torch.allclose(load(tmp_path / "m")(input_ids=ids).logits, ref, atol=1e-5)
+        assert torch.allclose(stock(input_ids=ids).logits, ref, atol=1e-5)
+    assert sum(p.numel() for p in stock.parameters()) == sum(p.numel() for p in model.parameters())
