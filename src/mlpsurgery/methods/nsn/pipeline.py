@@ -205,7 +205,7 @@ def _nest_sharded(model_spec, out: Path, cfg: NSNConfig, train: NSNTrainConfig, 
     model = loaded.model
     record(model, "nsn", asdict(cfg), projections=count)
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
-                    "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)",
+                    "init": "plain svd",  # (under torchrun the start is data-free)
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"], "loaded_into_shards": True}
     tok = loaded.require_tokenizer()
