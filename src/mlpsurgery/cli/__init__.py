@@ -208,6 +208,21 @@ def check_max_memory(args, layerwise: bool | None = None) -> None:
         raise MLPSurgeryError("--max-memory caps the layer-by-layer mode: add --layerwise")
 
 
+def calibration_blocks(args, tokenizer, where, why: str = "the data-aware compression"):
+    """(N, T) token blocks of --calib-data (its train split: the bundled Austen's leaves Persuasion unseen), with
+    --calib-blocks and --calib-len; None without --calib-data. `where` names the model whose tokenizer is missing."""
+    from ..data import text_blocks
+    from ..errors import MLPSurgeryError
+
+    if not args.calib_data:
+        return None
+    if tokenizer is None:
+        raise MLPSurgeryError(f"{where} has no tokenizer, which the calibration data needs; add its tokenizer files")
+    stage(args, f"reading and tokenising the calibration data {args.calib_data} for {why}")
+    return text_blocks(args.calib_data, tokenizer, block_len=args.calib_len, max_blocks=args.calib_blocks,
+                       seed=args.seed)
+
+
 def join_ranks(args, join: bool = True) -> tuple[str, int, int]:
     """(device, rank, world size): under torchrun (and `join`), this process joins the group on its rank's device
     (the GPU of its LOCAL_RANK on CUDA); ranks other than 0 go quiet (rank 0 shows the stages and progress)."""

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from ..report import human_count, plot_layers, table
-from . import check_max_memory, command, device_of, draw, integer, join_ranks, model_name, number, progress, stage
+from . import (calibration_blocks, check_max_memory, command, device_of, draw, integer, join_ranks, model_name,
+               number, progress, stage)
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -105,7 +106,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
     from ..io import check_out
     from ..measure.memory import peak_rss
     from ..methods.fusion.layerwise import check_layerwise, fuse_layerwise
-    from ..models import _tokenizer, check_context, checkpoint_folder, working_dtype
+    from ..models import _tokenizer, checkpoint_folder, working_dtype
 
     check_layerwise(cfg, tune=bool(args.tune_data), calibrated=bool(args.calib_data))
     if args.max_memory is not None and not args.tune_data:
@@ -126,14 +127,7 @@ def _fuse_layerwise(args, cfg, t0: float, device: str) -> dict:
         stage(args, f"reading and tokenising the tune data {args.tune_data}")
         tune = text_blocks(args.tune_data, tok, block_len=args.block_len, max_blocks=args.tune_blocks,
                            seed=args.seed)
-    calib = None
-    if args.calib_data:  # layer by layer the data-aware mode is asked for by name (the default stays data-free)
-        if tok is None:
-            raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration data needs; add its tokenizer "
-                                  "files")
-        stage(args, f"reading and tokenising the calibration data {args.calib_data}")
-        calib = text_blocks(args.calib_data, tok, block_len=args.calib_len, max_blocks=args.calib_blocks,
-                            seed=args.seed)
+    calib = calibration_blocks(args, tok, folder)  # layer by layer asked for by name (the default stays data-free)
     report = fuse_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok, overwrite=args.overwrite,
                             inputs=inputs, source_name=name, progress=progress(args), tune_data=tune,
                             workdir=work if tune is not None else None, max_memory_gb=args.max_memory,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_count, table
-from . import check_plot_path, command, device_of, draw, integer, layer_device, number, progress, stage
+from . import (calibration_blocks, check_plot_path, command, device_of, draw, integer, layer_device, number, progress,
+               stage)
 from .core import MODEL_HELP
 
 ACTIONS = ("rank", "sweep")
@@ -123,16 +124,8 @@ def _nest_layerwise(args, cfg) -> dict:
     check_out(args.out, args.overwrite, inputs=[model, args.calib_data])
     folder, source, name = checkpoint_folder(model)
     tok = _tokenizer(folder)
-    calib = None
-    if args.calib_data and not args.data_free:  # layer by layer the whitened start is asked for by name
-        if tok is None:
-            raise MLPSurgeryError(f"{folder} has no tokenizer, which the calibration data needs; add its tokenizer "
-                                  "files")
-        from ..data import text_blocks
-
-        stage(args, f"reading the calibration text {args.calib_data} for the whitened start")
-        calib = text_blocks(args.calib_data, tok, block_len=args.calib_len, max_blocks=args.calib_blocks,
-                            seed=args.seed)
+    # layer by layer the whitened start is asked for by name (the default stays data-free)
+    calib = None if args.data_free else calibration_blocks(args, tok, folder, "the whitened start")
     stage(args, f"nesting {source} layer by layer into {args.out}")
     out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok,
                          overwrite=args.overwrite, inputs=[model, args.calib_data], source_name=name,

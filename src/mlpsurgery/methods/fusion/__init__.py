@@ -239,7 +239,6 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
               "budget": None if plan is None else [asdict(p) for p in plan],
               "error_inputs": calibration_inputs(cfg, probes)}
     if capture is not None:
-        capture.keep(layers)
         report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
                                        settings={"data": _digest(tune_data), "data_shape": list(tune_data.shape),
                                                  "calibration": _digest(calib)})  # (it made the MLPs being tuned)

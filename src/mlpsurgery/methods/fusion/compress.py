@@ -18,11 +18,6 @@ from .kmeans import _sq_dist, kmeans
 from .neurons import cluster_means, neuron_vectors, weights_from_neurons
 
 
-def _mlp_input(site: MLPSite, x: Tensor) -> Tensor:
-    """What the MLP itself sees, from the residual stream x entering its sub-block (the pre-norm applied)."""
-    return site.pre_norm(x) if site.pre_norm is not None else x
-
-
 def draw_layer(h: int, k: int, cfg: FusionConfig, gen: torch.Generator) -> dict:
     """Everything `compress_site` draws from the run's generator `gen` for one MLP of inner width h compressed to
     k, in the order it draws it: the k-means seed (fusion, cluster), the sketch S (h, k), the MMD's median
@@ -126,16 +121,9 @@ def importance_kind(cfg: FusionConfig, calibrated: bool) -> str:
 
 def _obs_keep(w: MLPWeights, xin: Tensor, k: int, info: dict) -> Tensor:
     """The k neurons the greedy structured OBS keeps (methods/reconstruct/obs.py) on MLP inputs xin."""
-    from ..reconstruct.layer import second_moment
-    from ..reconstruct.obs import obs_prune
+    from ..reconstruct.layer import obs_path
 
-    G = second_moment(xin.to(w.up), w.inner)
-    a_mean = None
-    if w.down_bias is not None:
-        with torch.no_grad():
-            a_mean = sum(w.inner(xin[s:s + 4096].to(w.up)).double().sum(0).cpu()
-                         for s in range(0, len(xin), 4096)) / len(xin)
-    path = obs_prune(G, w.down.cpu(), k, bias=None if w.down_bias is None else w.down_bias.cpu(), a_mean=a_mean)
+    path = obs_path(w, xin, k)
     info["obs_error"] = path.error[-1]
     return path.kept(w.h).to(w.up.device)
 
@@ -193,7 +181,7 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
             kind = importance_kind(cfg, calib is not None)
             if kind != "weight" and x is None:
                 raise MLPSurgeryError(f"importance {kind!r} scores neurons on text: give calibration or tune data")
-            scored = None if kind == "weight" else (xin if x is calib else _mlp_input(site, x.to(w.up)))
+            scored = None if kind == "weight" else (xin if x is calib else mlp_inputs(site, x.to(w.up)))
             if kind == "obs":
                 keep = _obs_keep(w, scored, k, info)
             else:

@@ -26,8 +26,7 @@ from tqdm.auto import tqdm
 from ...errors import MLPSurgeryError
 from ...modules.dense import DenseMLP
 from ...sites import find_sites
-from .layer import mlp_inputs, second_moment
-from .obs import obs_prune
+from .layer import mlp_inputs, obs_path
 from .sequential import sequential
 
 STEP = 32  # neurons moved at a time
@@ -105,14 +104,8 @@ def plan_widths(model: nn.Module, calib: Tensor, uniform: dict[int, int], step: 
     def measure(i: int, x: Tensor) -> None:  # on the original model's activations (nothing is changed)
         site = sites.mlp[i]
         w = site.read()
-        xin = mlp_inputs(site, x).to(w.up)
-        a_mean = None
-        if w.down_bias is not None:
-            with torch.no_grad():
-                a_mean = sum(w.inner(xin[s:s + 4096]).double().sum(0).cpu() for s in range(0, len(xin), 4096)) / len(xin)
         snaps = {k0[i]: None}
-        path = obs_prune(second_moment(xin, w.inner), w.down.cpu(), lo[i],
-                         bias=None if w.down_bias is None else w.down_bias.cpu(), a_mean=a_mean, snapshots=snaps)
+        path = obs_path(w, mlp_inputs(site, x), lo[i], snapshots=snaps)
         curves[i] = path.error
         at = snaps[k0[i]] if k0[i] < hs[i] and k0[i] > lo[i] else path
         keep_idx = at.kept(hs[i])

@@ -45,6 +45,20 @@ def second_moment(x: Tensor, fn=None) -> Tensor:
     return total / max(n, 1)
 
 
+def obs_path(w: MLPWeights, xin: Tensor, k: int, snapshots: dict | None = None):
+    """The greedy structured-OBS path (obs.py) of the MLP `w` from h neurons down to k, on its inputs xin: the second
+    moment of its inner activations, and their mean where the down projection has a bias."""
+    from .obs import obs_prune
+
+    xin = xin.to(w.up)
+    a_mean = None
+    if w.down_bias is not None:
+        with torch.no_grad():
+            a_mean = sum(w.inner(xin[s:s + CHUNK]).double().sum(0).cpu() for s in range(0, len(xin), CHUNK)) / len(xin)
+    return obs_prune(second_moment(xin, w.inner), w.down.cpu(), k,
+                     bias=None if w.down_bias is None else w.down_bias.cpu(), a_mean=a_mean, snapshots=snapshots)
+
+
 def refit_module_(module: nn.Module, target: MLPWeights, xin: Tensor, ridge: float = RIDGE,
                   y: Tensor | None = None) -> dict:
     """Refit the down projection (and its bias) of a DenseMLP or FusedMLP in place to `target`'s output on the MLP
