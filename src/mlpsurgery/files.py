@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -44,28 +46,42 @@ _TMP, _OLD = ".tmp-", ".old-"
 # Ownership
 
 
+def _marker_check(body: dict) -> str:
+    """The digest a marker carries of its own content: an edited, truncated or hand-made marker does not match."""
+    rest = {k: v for k, v in body.items() if k != "check"}
+    return hashlib.sha256(("mlpsurgery-marker|" + json.dumps(rest, sort_keys=True, default=str)).encode()).hexdigest()
+
+
 def mark(folder: str | Path, kind: str, settings: dict | None = None, adopted: bool = False) -> None:
     """Write the marker that says mlpsurgery created `folder` (and with which settings). adopted: the folder
     itself was there already, empty (the user's): what mlpsurgery puts in it is its own, the folder is not, so
     removing it empties it and leaves it in place."""
     body = {"created_by": "mlpsurgery", "kind": kind}
     if settings is not None:
-        body["settings"] = settings
+        body["settings"] = json.loads(json.dumps(settings, sort_keys=True, default=str))
     if adopted:
         body["adopted"] = True
+    body["check"] = _marker_check(body)
     write_text(Path(folder) / MARKER, json.dumps(body, indent=1, sort_keys=True, default=str))
 
 
 def marker(folder: str | Path) -> dict | None:
-    """The folder's marker, or None when mlpsurgery did not create it."""
+    """The folder's marker, or None when mlpsurgery did not create it. Only a marker mlpsurgery wrote counts: a
+    JSON object naming mlpsurgery and a kind, whose `check` digest matches its content
+    (markers written before the digest existed have none). An empty, garbled or edited marker file is not ours,
+    so the folder is the user's."""
     path = Path(folder) / MARKER
-    if not path.is_file():
-        return None
     try:
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > 1 << 20:
+            return None
         body = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {"created_by": "mlpsurgery", "kind": "?", "damaged": True}
-    return body if isinstance(body, dict) else {"created_by": "mlpsurgery", "kind": "?", "damaged": True}
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or body.get("created_by") != "mlpsurgery" or not isinstance(body.get("kind"), str):
+        return None
+    if "check" in body and body["check"] != _marker_check(body):
+        return None
+    return body
 
 
 def is_ours(folder: str | Path) -> bool:
@@ -81,6 +97,7 @@ def _remove(folder: Path) -> None:
     it is mlpsurgery's, so the next run may finish the job. An adopted folder (see `mark`) is emptied, not removed."""
     if not folder.is_dir() or folder.is_symlink():
         return
+    _release(folder)
     adopted = bool((marker(folder) or {}).get("adopted"))
     for child in folder.iterdir():
         if child.name == MARKER:
@@ -133,9 +150,42 @@ def check_apart(out: str | Path, inputs: Iterable[str | Path | None] = (), what:
                                   "a folder that holds no input")
 
 
+# room kept in a file name for the temporary sibling mlpsurgery writes first (".NAME.tmp-PID-XXXXXXXX")
+_TEMP_ROOM = 32
+
+
+def check_path(path: str | Path, what: str = "--out") -> Path:
+    """Refuse a path nothing can be written at: empty, the folder the command runs in or one above it (it
+    cannot be swapped out from under the shell), or a name too long for the file system once mlpsurgery's
+    temporary suffix is added. Returns the path made absolute (symbolic links kept)."""
+    if str(path).strip() == "":
+        raise MLPSurgeryError(f"{what} is empty; give a path")
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    cwd = Path(os.path.abspath(os.getcwd()))
+    if p == cwd or p in cwd.parents:
+        raise MLPSurgeryError(f"{what} {path} is the folder this command runs in{'' if p == cwd else ' or above it'}; "
+                              "give a new folder name (e.g. ./result)")
+    parent = next((q for q in p.parents if q.exists()), None)
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX") if parent is not None and parent.is_dir() else 255
+    except (OSError, ValueError):
+        name_max = 255
+    new_parts = p.relative_to(parent).parts if parent is not None else p.parts
+    for part in {*new_parts, p.name} - {""}:
+        if len(os.fsencode(part)) + _TEMP_ROOM > name_max:
+            raise MLPSurgeryError(f"{what}: the name {part[:40]}... has {len(os.fsencode(part))} bytes; the file system "
+                                  f"allows {name_max} and mlpsurgery needs {_TEMP_ROOM} of them for its temporary copy: "
+                                  "give a shorter name")
+    if len(os.fsencode(str(p))) + _TEMP_ROOM > 4000:
+        raise MLPSurgeryError(f"{what}: the path has {len(os.fsencode(str(p)))} bytes, too long for the file system; "
+                              "give a shorter one")
+    return p
+
+
 def check_out(out: str | Path, overwrite: bool = False, inputs: Iterable[str | Path | None] = ()) -> None:
     """Refuse an output folder that cannot be written: a file, a non-empty folder (unless --overwrite, and
     then only one mlpsurgery wrote), or a path that is, holds or lies inside an input."""
+    check_path(out)
     out = Path(out)
     if out.is_symlink() and not out.exists():
         raise MLPSurgeryError(f"{out} is a broken symbolic link; choose another --out")
@@ -146,31 +196,57 @@ def check_out(out: str | Path, overwrite: bool = False, inputs: Iterable[str | P
             if not overwrite:
                 raise MLPSurgeryError(f"{out} already exists and is not empty; choose another --out or pass --overwrite")
             if not is_ours(out):
-                raise MLPSurgeryError(f"{out} was not written by mlpsurgery (it has no {MARKER} marker), so --overwrite "
-                                      "will not replace it; choose another --out or remove it yourself")
+                raise MLPSurgeryError(f"{out} was not written by mlpsurgery (it has no valid {MARKER} marker), so "
+                                      "--overwrite will not replace it; choose another --out or remove it yourself")
     else:
-        parent = next((p for p in out.absolute().parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise MLPSurgeryError(f"{out} cannot be created: {parent} is a file; choose another --out")
-        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-            raise MLPSurgeryError(f"{out} cannot be created: {parent} is not writable; choose another --out")
+        _check_creatable(out, f"{out} cannot be created", "choose another --out")
     check_apart(out, inputs)
 
 
+def _check_creatable(path: Path, what: str, fix: str) -> None:
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise MLPSurgeryError(f"{what}: {parent} is a file; {fix}")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        raise MLPSurgeryError(f"{what}: {parent} is not writable; {fix}")
+
+
 def check_file_out(path: str | Path, overwrite: bool = False, inputs: Iterable[str | Path | None] = (),
-                   what: str = "output file") -> None:
-    """Refuse an output file path that is a folder, exists (unless overwriting), or is an input."""
+                   what: str = "output file", ours=None) -> None:
+    """Refuse an output file path that is a folder, exists (unless overwriting, and then only a file `ours`
+    recognises as one mlpsurgery wrote: a key, a plot carrying its signature), or is an input."""
+    check_path(path, what=f"the {what}")
     path = Path(path)
     if path.is_dir():
         raise MLPSurgeryError(f"the {what} {path} is a folder; give a file path")
-    if path.exists() and not overwrite:
-        raise MLPSurgeryError(f"the {what} {path} already exists; choose another path or pass --overwrite")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise MLPSurgeryError(f"the {what} {path} cannot be created: {parent} is a file")
-    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-        raise MLPSurgeryError(f"the {what} {path} cannot be created: {parent} is not writable")
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise MLPSurgeryError(f"the {what} {path} already exists; choose another path or pass --overwrite")
+        if path.is_symlink() or not path.is_file() or not (ours or file_is_ours)(path):
+            raise MLPSurgeryError(f"the {what} {path} exists and is not a {what} mlpsurgery wrote, so it will not be "
+                                  "replaced; choose another path or remove it yourself")
+    _check_creatable(path, f"the {what} {path} cannot be created", "choose another path")
     check_apart(path, inputs, what=f"the {what}")
+
+
+# a file mlpsurgery writes and may later replace carries this text near its start or end (a plot's metadata, a
+# JSON field); keys are recognised by their own header (methods/corelocker/keyfile.py: is_key_file)
+SIGNATURE = "written-by-mlpsurgery"
+
+
+def file_is_ours(path: str | Path) -> bool:
+    """Whether the file at `path` carries mlpsurgery's signature in its first or last 64 KiB."""
+    sig = SIGNATURE.encode()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            size = os.fstat(f.fileno()).st_size
+            if size > 1 << 16:
+                f.seek(max(1 << 16, size - (1 << 16)))
+                head += f.read(1 << 16)
+    except OSError:
+        return False
+    return sig in head
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,45 +263,76 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _leftovers(out: Path) -> list[tuple[Path, str, int]]:
-    """Temporary (.tmp-) and displaced (.old-) siblings of `out` written by mlpsurgery: (path, kind, pid)."""
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)(?P<tag>\.tmp-|\.old-)(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _leftovers(folder: Path) -> list[tuple[Path, str, str, int]]:
+    """Temporary (.tmp-) and displaced (.old-) entries mlpsurgery's writers leave in `folder` when killed:
+    (path, the name they stand for, tag, pid)."""
     found = []
-    if not out.parent.is_dir():
+    if not folder.is_dir():
         return found
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        rest = p.name[len(out.name) + 1:]
-        for tag in (_TMP, _OLD):
-            if rest.startswith(tag):
-                pid = rest[len(tag):].split("-", 1)[0]
-                if pid.isdigit() and p.is_dir() and not p.is_symlink():
-                    found.append((p, tag, int(pid)))
+    for p in folder.glob(".*-*"):
+        m = _LEFTOVER.match(p.name)
+        if m and not p.is_symlink():
+            found.append((p, m["name"], m["tag"], int(m["pid"])))
     return found
 
 
 def clean_leftovers(out: str | Path) -> None:
-    """Finish what a killed writer of `out` left: a displaced old folder goes back where it was (if nothing
-    replaced it), temporary folders are removed. Only marked (or empty) folders of dead processes are touched."""
+    """Finish what killed writers left beside `out` (in its parent folder, for any name): a displaced old folder
+    goes back where it was (if nothing replaced it), temporary folders and half-written temporary files are
+    removed, each with a note on stderr. Only what is recognisably ours and belongs to a dead process is touched:
+    a folder with a valid marker (or empty), a file carrying mlpsurgery's signature (or empty)."""
     out = Path(out)
-    for p, tag, pid in _leftovers(out):
-        if _pid_alive(pid) and pid != os.getpid():
+    for p, name, tag, pid in _leftovers(out.parent):
+        if pid == os.getpid():
+            if name != out.name:  # this process may be writing it right now (a checkpoint beside --out)
+                continue
+        elif _pid_alive(pid):
             continue
-        if not (is_ours(p) or _empty_dir(p)):
-            continue
-        if tag == _OLD and not out.exists() and is_ours(p):
-            os.replace(p, out)
-        else:
-            _remove(p)
+        target = p.with_name(name)
+        if p.is_dir():
+            if not (is_ours(p) or _empty_dir(p)):
+                continue
+            if tag == _OLD and not target.exists() and is_ours(p):
+                os.replace(p, target)
+                _note(f"put back {target}, which a killed mlpsurgery run (pid {pid}) had moved aside")
+            else:
+                _remove(p)
+                _note(f"removed {p}, left by a killed mlpsurgery run (pid {pid})")
+        elif p.is_file() and tag == _TMP and (p.stat().st_size == 0 or _signed(p)):
+            with contextlib.suppress(OSError):
+                p.unlink()
+                _note(f"removed {p}, a file a killed mlpsurgery run (pid {pid}) had half written")
+
+
+def _signed(path: Path) -> bool:
+    """A file mlpsurgery writes: its signature, or a key's format name, in its first 64 KiB."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return SIGNATURE.encode() in head or b"mlpsurgery-corelocker-" in head
+
+
+def _note(message: str) -> None:
+    from .report import warn
+
+    warn(message)
 
 
 def _temp_name(out: Path, tag: str) -> Path:
     return out.with_name(f".{out.name}{tag}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-_RENAME_EXCHANGE = 2
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux renameat2). False where the call is unavailable."""
+def _renameat2(a: Path, b: Path, flag: int) -> bool:
+    """renameat2(a, b, flag) (Linux): True if done, False where the call or the flag is unavailable; an
+    OSError for any other failure (EEXIST for RENAME_NOREPLACE onto an existing path)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         fn = libc.renameat2
@@ -233,12 +340,17 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flag) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot exchange
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot do it
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2). False where the call is unavailable."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
 
 
 def _umask() -> int:
@@ -256,12 +368,18 @@ def normal_permissions(folder: Path) -> None:
             os.chmod(p, mode)
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Put the finished folder `tmp` at `out`, replacing an old folder mlpsurgery wrote there."""
+def _appeared(out: Path) -> MLPSurgeryError:
+    return MLPSurgeryError(f"{out} was created by someone else while this command ran (another run with the same "
+                           "--out?); the result was not written. Choose another --out and run again")
+
+
+def publish(tmp: Path, out: Path, overwrite: bool = True) -> None:
+    """Put the finished folder `tmp` at `out`, replacing an old folder mlpsurgery wrote there (only with
+    `overwrite`). Decided at the swap itself, not from what the start of the run saw: a folder that appeared
+    meanwhile (another process writing the same --out) is never replaced."""
     if out.exists() and not _empty_dir(out):
-        if not is_ours(out):  # appeared while we worked: never replace it
-            raise MLPSurgeryError(f"{out} was created by someone else while this command ran; the result was not "
-                                  "written. Choose another --out and run again")
+        if not overwrite or not is_ours(out):  # appeared while we worked: never replace it
+            raise _appeared(out)
         if _exchange(tmp, out):
             _remove(tmp)  # tmp now holds the old folder
             return
@@ -270,16 +388,31 @@ def publish(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
         _remove(old)
         return
-    os.replace(tmp, out)
+    try:
+        if _renameat2(tmp, out, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        if not _empty_dir(out):
+            raise _appeared(out) from None
+    try:
+        os.replace(tmp, out)  # onto nothing, or onto an empty folder (rename fails if it filled meanwhile)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+            raise _appeared(out) from None
+        raise
 
 
 @contextlib.contextmanager
 def atomic_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | Path | None] = (),
                kind: str = "model"):
-    """Yield a marked temporary folder beside `out`; on success it replaces `out`, on error it is removed."""
-    out = Path(out)
+    """Yield a marked temporary folder beside `out`; on success it replaces `out`, on error it is removed.
+    A symbolic link at `out` is followed: the folder it points to is written, the link kept."""
     check_out(out, overwrite, inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(os.path.realpath(out)) if Path(out).is_symlink() else Path(os.path.abspath(out))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MLPSurgeryError(f"{out.parent} cannot be created ({e.strerror}); choose another --out") from None
     clean_leftovers(out)
     tmp = _temp_name(out, _TMP)
     tmp.mkdir()  # the user's umask applies (mkdtemp would make it 0700)
@@ -287,7 +420,7 @@ def atomic_dir(out: str | Path, overwrite: bool = False, inputs: Iterable[str | 
         mark(tmp, kind)
         yield tmp
         normal_permissions(tmp)
-        publish(tmp, out)
+        publish(tmp, out, overwrite)
     except BaseException:
         _remove(tmp)
         raise
@@ -400,26 +533,74 @@ class Fingerprint:
 
 def check_state(folder: str | Path, inputs: Iterable[str | Path | None] = (), what: str = "checkpoint") -> None:
     """Refuse, before any work, a state folder (checkpoint, work folder) that mlpsurgery could not use: a file, a
-    folder holding files it did not write, or one that is, holds or lies inside an input or output."""
+    folder holding files it did not write, one that cannot be created (read-only file system), or one that is,
+    holds or lies inside an input or output."""
+    check_path(folder, what=f"the {what} folder")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise MLPSurgeryError(f"the {what} folder {folder} is a file; give a folder path")
     if folder.is_dir() and any(folder.iterdir()) and not is_ours(folder):
-        raise MLPSurgeryError(f"the {what} folder {folder} holds files mlpsurgery did not write (no {MARKER} marker); "
-                              "give an empty or new folder")
+        raise MLPSurgeryError(f"the {what} folder {folder} holds files mlpsurgery did not write (no valid {MARKER} "
+                              "marker); give an empty or new folder")
+    _check_creatable(folder / MARKER, f"the {what} folder {folder} cannot be written", "give a folder on a writable "
+                     "disk")
     check_apart(folder, inputs, what=f"the {what} folder")
+
+
+# folders this process holds (flock on the folder itself), by (device, inode): a second process asking for one is
+# refused; this process asking again (a resume within the same run) is not
+_HELD: dict[tuple[int, int], int] = {}
+
+
+def hold(folder: str | Path, what: str = "folder") -> None:
+    """Lock `folder` for this process (an exclusive flock on the directory, released when the process ends):
+    two runs sharing a work folder would corrupt each other's state, so the second is refused at once."""
+    import fcntl
+
+    folder = Path(folder)
+    st = folder.stat()
+    if (st.st_dev, st.st_ino) in _HELD:
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise MLPSurgeryError(f"the {what} {folder} is in use by another mlpsurgery process; wait for it to "
+                                  "finish, or give this run another folder") from None
+        return  # a file system without locks: nothing to hold
+    _HELD[(st.st_dev, st.st_ino)] = fd
+
+
+def _release(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        st = folder.stat()
+        fd = _HELD.pop((st.st_dev, st.st_ino), None)
+        if fd is not None:
+            os.close(fd)
 
 
 def claim(folder: str | Path, kind: str, settings: dict, inputs: Iterable[str | Path | None] = ()) -> bool:
     """Make `folder` the resumable state of a `kind` run with these settings (JSON-able; include a model
-    fingerprint). A new folder is created and marked, an empty one marked as adopted (remove_ours empties it and
-    leaves it in place); a folder already marked with the same kind and settings is resumed (True); anything else
-    is refused with what differs."""
+    fingerprint), held by this process (`hold`). A new folder is created and marked, an empty one marked as
+    adopted (remove_ours empties it and leaves it in place); a folder already marked with the same kind and
+    settings is resumed (True); anything else is refused with what differs."""
     folder = Path(folder)
     check_state(folder, inputs, what=kind)
     settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
-    if folder.is_dir() and any(folder.iterdir()):
+    adopted = folder.is_dir()  # an empty folder the user made: used, and left in place (emptied) at the end
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MLPSurgeryError(f"the {kind} folder {folder} cannot be created ({e.strerror}); give a folder on a "
+                              "writable disk") from None
+    hold(folder, f"{kind} folder")
+    if any(folder.iterdir()):
         m = marker(folder)
+        if m is None:
+            raise MLPSurgeryError(f"the {kind} folder {folder} holds files mlpsurgery did not write (no valid "
+                                  f"{MARKER} marker); give an empty or new folder")
         if m.get("kind") != kind:
             raise MLPSurgeryError(f"{folder} holds the state of a {m.get('kind')!r} run, not of {kind!r}; use another "
                                   "folder")
@@ -429,7 +610,5 @@ def claim(folder: str | Path, kind: str, settings: dict, inputs: Iterable[str | 
             raise MLPSurgeryError(f"{folder} holds a {kind} run made with other settings or another model "
                                   f"({', '.join(diff)}); resume with the same ones, or use another folder")
         return True
-    adopted = folder.is_dir()  # an empty folder the user made: used, and left in place (emptied) at the end
-    folder.mkdir(parents=True, exist_ok=True)
     mark(folder, kind, settings, adopted=adopted)
     return False

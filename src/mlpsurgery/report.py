@@ -72,13 +72,18 @@ def save_figure(fig, path: str | Path) -> Path:
 
     import matplotlib.pyplot as plt
 
-    from .files import _atomic_bytes
+    from .files import SIGNATURE, _atomic_bytes
 
     path = Path(path)
     try:
         fig.tight_layout()
         buf = io.BytesIO()
-        fig.savefig(buf, format=path.suffix[1:].lower() or "png", dpi=120)  # as before: the suffix says the format
+        fmt = path.suffix[1:].lower() or "png"  # as before: the suffix says the format
+        # signed, so that a later run may replace this plot and no other file (files.file_is_ours)
+        meta = {"png": {"Software": f"mlpsurgery {SIGNATURE}"}, "pdf": {"Creator": f"mlpsurgery {SIGNATURE}"},
+                "svg": {"Creator": f"mlpsurgery {SIGNATURE}"}, "ps": {"Creator": f"mlpsurgery {SIGNATURE}"},
+                "eps": {"Creator": f"mlpsurgery {SIGNATURE}"}}.get(fmt)
+        fig.savefig(buf, format=fmt, dpi=120, **({"metadata": meta} if meta else {}))
     finally:
         plt.close(fig)
     path.parent.mkdir(parents=True, exist_ok=True)

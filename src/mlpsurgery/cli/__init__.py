@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import errno
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from ..errors import MLPSurgeryError
@@ -55,7 +58,9 @@ def _number(kind, text: str, low, high, low_open: bool, high_open: bool):
 
 
 def integer(low: int | None = 1, high: int | None = None):
-    """argparse type: an integer in [low, high]."""
+    """argparse type: an integer in [low, high] (high: 2^53 unless given; more than any count a run could use, and
+    what every library below takes without overflow)."""
+    high = 2 ** 53 if high is None else high
     f = lambda text: _number(int, text, low, high, False, False)  # noqa: E731
     f.__name__ = "integer"
     return f
@@ -124,7 +129,8 @@ def check_plot_path(path, inputs=(), outputs=()) -> None:
 
     if path is None:
         return
-    check_file_out(path, overwrite=True, inputs=inputs, what="plot")  # an old plot at the path is replaced
+    # an old plot mlpsurgery drew at the path is replaced; any other file there is the user's and is refused
+    check_file_out(path, overwrite=True, inputs=inputs, what="plot")
     p = Path(os.path.abspath(Path(path).expanduser()))
     for other in outputs:
         if other is None:
@@ -268,6 +274,71 @@ def _fail(message: str, status: int, as_json: bool, command: str | None, details
     return status
 
 
+# argument names (argparse dests) that every command uses for what it reads and what it writes; a command whose
+# flag of another name is written says so with set_defaults(writes=(dest, ...))
+READS = ("model", "model_a", "model_b", "locked", "dir", "data", "calib_data", "tune_data", "eval_data", "train",
+         "test", "second_corpus", "baseline", "original", "include_path", "key")
+WRITES = ("out", "plot", "write_tasks", "workdir", "checkpoint", "checkpoint_dir")
+
+
+def _flag(dest: str) -> str:
+    return dest if dest in ("model", "model_a", "model_b", "locked", "dir") else "--" + dest.replace("_", "-")
+
+
+def check_paths(args) -> None:
+    """The rule that no output is an input, and no two outputs overlap, for every command at once, before any
+    work: each path a command writes (--out, --key of `lock key`, --plot, --workdir, a checkpoint folder) is
+    refused when it is, holds or lies inside a path it reads (the model, --data, --calib-data, ...) or another
+    path it writes, and an empty path is refused."""
+    from ..files import check_apart, check_path
+
+    writes = tuple(getattr(args, "writes", ())) + WRITES
+    outs = [(d, getattr(args, d)) for d in writes if isinstance(getattr(args, d, None), str)]
+    ins = [(d, getattr(args, d)) for d in READS if d not in writes and isinstance(getattr(args, d, None), str)]
+    for d, v in outs:  # (an empty input may mean "none": --second-corpus "")
+        if v.strip() == "":
+            raise MLPSurgeryError(f"{_flag(d)} is empty; give a path")
+    for d, v in outs:
+        check_path(v, what=_flag(d))
+        check_apart(v, [v2 for _, v2 in ins if v2.strip()], what=_flag(d))
+    for i, (d, v) in enumerate(outs):
+        a = Path(os.path.abspath(Path(v).expanduser()))
+        for d2, v2 in outs[i + 1:]:
+            if {d, d2} == {"out", "key"}:
+                continue  # `lock key` says more about these two (methods/corelocker/folders.py: check_lock_targets)
+            b = Path(os.path.abspath(Path(v2).expanduser()))
+            if a == b or a in b.parents or b in a.parents:
+                raise MLPSurgeryError(f"{_flag(d2)} {v2} overlaps the output {_flag(d)} {v}; give each output its own "
+                                      "path, none inside another")
+
+
+_DISK_FULL = ("No space left", "StorageFull", "code: 28,", "Disk quota", "QuotaExceeded", "File too large",
+              "FileTooLarge", "code: 27,", "file write failed")
+
+
+def os_failure(e: BaseException) -> str | None:
+    """One line for a failure of the machine rather than of mlpsurgery (a full disk, a read-only file system,
+    no permission), from an OSError or from a library's error that wraps one (safetensors, torch.save); None
+    for anything else. Every writer is atomic, so nothing half-written is left behind by such a failure."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    text = str(e)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or (code is None and any(k in text for k in _DISK_FULL)):
+        what = "a file grew beyond the file system's or the process's size limit (ulimit -f)" if (
+            code == errno.EFBIG or "large" in text.lower() or "code: 27," in text) else "no space left on the disk"
+        return (f"{what}{where}; nothing half-written was kept: free some space (or write elsewhere) and run again, "
+                "long runs resume from their checkpoint")
+    if code == errno.EROFS:
+        return f"read-only file system{where}; write somewhere writable"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where}; write somewhere you may write, or fix the permissions"
+    if code == errno.ENAMETOOLONG:
+        return f"a file name is too long for the file system{where}; give a shorter path"
+    if code in (errno.EIO, errno.EMFILE, errno.ENFILE):
+        return f"{e.strerror}{where}; check the disk (or raise `ulimit -n`) and run again"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..report import end_stage, restart_clock
 
@@ -298,11 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                      command)
 
     try:
+        check_paths(args)
         with default_dtype(getattr(args, "dtype", None)):
             result = args.run(args)
     except MLPSurgeryError as e:
         end_stage()
         return _fail(str(e), 2, args.json, command, getattr(e, "details", None))
+    except Exception as e:  # noqa: BLE001 - only a machine's failure (os_failure) becomes one line
+        end_stage()
+        message = os_failure(e)
+        if message is None:
+            raise
+        return _fail(message, 2, args.json, command)
     except KeyboardInterrupt:
         end_stage()
         return _fail("interrupted (long runs resume from their checkpoint when started again)", 130, args.json,

@@ -246,6 +246,7 @@ def register(sub, groups) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--out", required=True, help="folder for the locked model (what you hand out)")
     p.add_argument("--key", required=True, help="file for the access key (keep it; never inside --out)")
+    p.set_defaults(writes=("key",))  # --key is written here (an input of `unlock`): see cli.check_paths
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--ratio", type=number(0, 1, high_open=True), help="fraction of eligible units to extract, e.g. 0.05")
     how.add_argument("--target-utility", type=number(None),
@@ -259,7 +260,7 @@ def register(sub, groups) -> None:
     p.add_argument("--scope", choices=("global", "layer"), default="global",
                    help="rank across all layers, or take the ratio in every layer (global)")
     p.add_argument("--include-io", action="store_true", help="also extract from the embeddings and the output layer")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of the random indicator (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of the random indicator (0)")
     p.add_argument("--encrypt", action="store_true",
                    help="seal the key with a passphrase (AES-256-GCM, scrypt); read from $MLPSURGERY_PASSPHRASE "
                         "or a prompt")

@@ -66,7 +66,11 @@ def run_lm(args) -> dict:
     if args.out:
         from lm_eval.utils import handle_non_serializable
 
-        write_text(args.out, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        from ..files import SIGNATURE
+
+        # signed first, so that a later --overwrite may replace this file and no other (files.file_is_ours)
+        write_text(args.out, json.dumps({"created_by": f"mlpsurgery {SIGNATURE}", **results}, indent=2,
+                                        default=handle_non_serializable, ensure_ascii=False))
         out["out"] = str(args.out)
     out["wall_seconds"] = time.perf_counter() - t0
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import secrets
 from dataclasses import asdict
@@ -12,11 +13,11 @@ from typing import Iterable
 from torch import nn
 
 from ...errors import IntegrityError, MLPSurgeryError
-from ...files import check_file_out, check_out
+from ...files import check_file_out, check_out, clean_leftovers
 from ...io import loaded_from
 from ...report import ends_stages, stage
 from .config import CoreLockerConfig
-from .keyfile import read_key, write_key_file
+from .keyfile import is_key_file, read_key, write_key_file
 from .lock import lock_key, unlock_key
 from .ranking import restore_values
 from .utility import Utility, find_ratio
@@ -47,8 +48,25 @@ def check_lock_targets(out: str | Path, key_path: str | Path, overwrite: bool = 
     if k in o.parents:
         raise MLPSurgeryError(f"--out {out} lies inside --key {key_path}, which is the key's file path; give the key "
                               "a path outside the locked folder")
-    check_file_out(key_path, overwrite, inputs, what="key")
+    check_file_out(key_path, overwrite, inputs, what="key", ours=is_key_file)
     check_out(out, overwrite, [*inputs, key_path])
+    _mention_staged(key_path)
+
+
+def _mention_staged(key_path: Path) -> None:
+    """Say so when a run killed between writing its locked folder and placing its key left the key staged beside
+    --key (KEY.staged-PID-XXXXXXXX): for the locked folder that run wrote, it is the only key. Kept, never removed."""
+    from ...files import _pid_alive
+    from ...report import warn
+
+    if not key_path.parent.is_dir():
+        return
+    for p in sorted(key_path.parent.glob(f"{glob.escape(key_path.name)}.staged-*-*")):
+        pid = p.name[len(key_path.name) + len(".staged-"):].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)) and is_key_file(p):
+            warn(f"{p} is a key an interrupted `lock key` run (pid {pid}) wrote but did not put at {key_path}: if "
+                 "that run's locked folder is still in use, this is the only key that unlocks it. It is kept; move it "
+                 "where you keep keys, or delete it if that folder is gone")
 
 
 def check_unlock_targets(locked: str | Path, key_path: str | Path, out: str | Path, overwrite: bool = False) -> None:
@@ -71,6 +89,8 @@ def _place_key(staged: Path, key_path: Path, out: Path, overwrite: bool) -> None
     try:
         if key_path.exists() and not overwrite:
             raise FileExistsError(17, "it appeared while this command ran")
+        if (key_path.exists() or key_path.is_symlink()) and (key_path.is_symlink() or not is_key_file(key_path)):
+            raise FileExistsError(17, "a file that is not a key appeared there while this command ran")
         os.replace(staged, key_path)
     except OSError as e:
         raise MLPSurgeryError(f"the locked model was written to {out}, but the key could not be put at {key_path} "
@@ -118,6 +138,7 @@ def lock_folder(model: nn.Module, out: str | Path, key_path: str | Path, cfg: Co
     staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
     summary = {k: key.header[k] for k in ("config", "units_extracted", "units_eligible", "locked_fingerprint",
                                           "original_fingerprint")}
+    clean_leftovers(key_path)  # a half-written hidden copy of a key a killed run was staging
     try:
         key_size = write_key_file(staged, key, _numels(model), passphrase)
         save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra={"corelocker": summary},

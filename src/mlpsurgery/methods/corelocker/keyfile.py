@@ -148,12 +148,26 @@ def write_key_file(path: str | Path, key: Key, numels: dict[str, int], passphras
     return size
 
 
+def is_key_file(path: str | Path) -> bool:
+    """Whether `path` is a key file mlpsurgery wrote (plain or sealed), by its header alone: what `--overwrite`
+    may replace at a --key path. Any other file there is the user's."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= 1 << 26:
+                return False
+            head = f.read(n)
+    except OSError:
+        return False
+    return len(head) == n and head.lstrip().startswith(b"{") and b"mlpsurgery-corelocker-" in head
+
+
 def save_key(key: Key, path: str | Path, numels: dict[str, int], passphrase: str | None = None,
              overwrite: bool = False, inputs: Iterable[str | Path | None] = ()) -> int:
     """Write the key (sealed when a passphrase is given) atomically, readable by its owner only (0600).
     Returns its size in bytes. `inputs`: paths the key may not be, or lie inside (the model folder)."""
     path = Path(path)
-    check_file_out(path, overwrite, inputs, what="key")
+    check_file_out(path, overwrite, inputs, what="key", ours=is_key_file)
     return write_key_file(path, key, numels, passphrase)
 
 

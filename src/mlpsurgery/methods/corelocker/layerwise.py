@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ...files import clean_leftovers
 from ...errors import IntegrityError, MLPSurgeryError
 from ...io import WEIGHTS, record, streamed_save
 from ...layerwise import LayerStream, SourceRecord, map_large_allocations
@@ -94,6 +95,7 @@ def lock_layerwise(folder: str | Path, out: str | Path, key_path: str | Path, cf
 
     summary_keys = ("config", "units_extracted", "units_eligible", "locked_fingerprint", "original_fingerprint")
     staged = key_path.with_name(f"{key_path.name}.staged-{os.getpid()}-{secrets.token_hex(4)}")
+    clean_leftovers(key_path)  # a half-written hidden copy of a key a killed run was staging
     extra: dict = {}  # the manifest's corelocker summary, known once the last layer is done (read on exit)
     try:
         with streamed_save(model, out, tokenizer=tokenizer, overwrite=overwrite, extra=extra,
