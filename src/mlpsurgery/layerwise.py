@@ -116,11 +116,13 @@ class LayerStream:
         A folder mlpsurgery wrote is read as `io.load` reads it: its manifest checked (and, unless verify=False
         because the caller just did, every file against its digest), the structure it records rebuilt (replaced
         modules, narrowed layers), its dtype the default, its history and source carried; `self.manifest` holds it
-        (None for a stock checkpoint). One with pruning masks is refused (their buffers are not streamed)."""
+        (None for a stock checkpoint). One with pruning masks is refused (their buffers are not streamed). A stock
+        checkpoint's config.json is checked against its weight files' headers first (models.check_weights; not with
+        verify=False, where the caller just did)."""
         from accelerate import init_empty_weights
 
         from .io import MANIFEST, read_manifest, rebuild_saved
-        from .models import _model_class, read_config
+        from .models import _model_class, check_weights, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)
@@ -131,6 +133,8 @@ class LayerStream:
             config = read_config(self.folder)
             self.dtype = resolve_dtype(config, dtype)
             klass = _model_class(config, task)
+            if verify:  # config.json against the weight files' headers, before the skeleton is built
+                check_weights(self.folder, config, klass, memory=False)
             with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary tables) computed
                 build = getattr(klass, "_from_config", None) or klass.from_config
                 model = build(config, dtype=self.dtype)

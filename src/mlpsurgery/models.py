@@ -175,6 +175,82 @@ def read_config(folder: Path):
                               "that the installed transformers knows it") from None
 
 
+def _numbered_group(names) -> int:
+    """The most distinct numbers any one prefix is followed by in tensor names (`x.layer_groups.3.w` -> prefix
+    `x.layer_groups`, number 3): the layer count of the largest numbered group, for an architecture without a spec."""
+    groups: dict[str, set[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        i = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+        if i is not None:
+            groups.setdefault(".".join(parts[:i]), set()).add(parts[i])
+    return max((len(v) for v in groups.values()), default=0)
+
+
+def check_weights(folder: Path, config, klass, dtype=None, memory: bool = True) -> None:
+    """Refuse, before a model is built, a config.json that does not match the folder's weight files (one edited or
+    swapped in from another model), and a model that cannot fit in memory, reading only the files' headers:
+
+    1. the layer count config.json gives against the layer indices the weight names hold (a config edited to a
+       million layers would take hours to build, even on the meta device): more layers than the weights hold is
+       refused (they would be random); for an architecture without a spec, a count far beyond any numbered group;
+    2. the model built on the meta device (no memory), every tensor shape against the files' (a config edited to a
+       2^40-wide MLP would otherwise reach the allocator);
+    3. with `memory`, its parameters in `dtype` (a torch dtype; "auto" / None: the checkpoint's own / float32)
+       against the memory available (resources.check_memory).
+    A folder without safetensors or PyTorch weight files is left to transformers."""
+    from .layerwise import config_dtype
+    from .resources import check_memory
+    from .sites import layer_indices
+    from .tensorfiles import checkpoint_layout
+
+    layout = checkpoint_layout(folder)
+    if not layout:
+        return
+    where = folder / "config.json"
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(n, int) and n > 0:
+        held = layer_indices(config, layout)
+        if held:
+            if n > len(held):
+                span = f"layer {min(held)}" if len(held) == 1 else f"layers {min(held)}-{max(held)}"
+                raise MLPSurgeryError(f"{where} does not match the weights: it says {n} layers, the weight files "
+                                      f"hold {len(held)} ({span}); restore the model's config.json")
+        else:
+            group = _numbered_group(layout)
+            if n > 4 * group + 16:
+                raise MLPSurgeryError(f"{where} does not match the weights: it says {n} layers, the weight files "
+                                      f"number at most {group} of anything; restore the model's config.json")
+    try:
+        with torch.device("meta"):
+            build = getattr(klass, "_from_config", None) or klass.from_config
+            skeleton = build(config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: its own loading words the error
+        return
+    prefix = getattr(skeleton, "base_model_prefix", "") or ""
+    for name, t in skeleton.state_dict().items():
+        key = next((k for k in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}") if k in layout), None)
+        if key is not None and tuple(t.shape) != tuple(layout[key][1]):
+            raise MLPSurgeryError(f"{where} does not match the weights: {key} is {tuple(layout[key][1])} in the weight "
+                                  f"files, config.json makes it {tuple(t.shape)}; restore the model's config.json")
+    if not memory:
+        return
+    params = sum(p.numel() for p in skeleton.parameters())
+    if isinstance(dtype, torch.dtype):
+        item = dtype.itemsize
+    elif dtype == "auto":
+        own = config_dtype(config)
+        item = own.itemsize if own is not None else min(
+            (d.itemsize for d, _ in layout.values() if d.is_floating_point), default=4)
+    else:
+        item = 4
+    from .report import human_count
+
+    check_memory(params * item, f"{folder} ({human_count(params)} parameters, {item} bytes each)",
+                 "load it layer by layer (--layerwise, where the command has it), in a smaller --dtype, or on a "
+                 "machine with more memory")
+
+
 def source_record(name: str, model: nn.Module) -> dict:
     """What a manifest says about the model a result was made from: a name (never a local path) and the
     weights' fingerprint, so that a later command can check it was given the same original."""
@@ -291,10 +367,12 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     if (folder / "surgery.json").exists():
         from .io import load
 
+        _check_saved_fits(folder, dtype)
         model = load(folder, dtype=dtype if isinstance(dtype, torch.dtype) else None)  # (built in it, not cast:
         return Loaded(model, tokenizer, source)  # the buffers transformers keeps in float32 stay float32)
     config = read_config(folder)
     klass = _model_class(config, task)
+    check_weights(folder, config, klass, dtype if dtype is not None else torch.float32)
     kw = {"num_labels": num_labels} if num_labels else {}
     model = None if num_labels else _load_read(folder, klass, task, _config_dtype(config) if dtype == "auto"
                                                else dtype or torch.float32)
@@ -313,6 +391,32 @@ def load_model(spec: str | os.PathLike | None = None, task: str = "auto", num_la
     if text not in ("smollm2", "minilm"):
         model._mlpsurgery_path = str(Path(text).expanduser())
     return Loaded(model.eval(), tokenizer, source)
+
+
+def _check_saved_fits(folder: Path, dtype) -> None:
+    """Refuse, before it is built, a folder mlpsurgery wrote whose weights (their header's sizes, in `dtype` where it
+    is a torch dtype, else as saved) cannot fit in the memory available."""
+    from .report import human_count
+    from .resources import check_memory
+    from .tensorfiles import checkpoint_layout
+
+    try:
+        layout = checkpoint_layout(folder) or {}
+    except MLPSurgeryError:
+        return  # a damaged file: io.load refuses it with its own words
+    params = sum(_numel(s) for _, s in layout.values())
+    need = sum(_numel(s) * (dtype.itemsize if isinstance(dtype, torch.dtype) and d.is_floating_point else d.itemsize)
+               for d, s in layout.values())
+    check_memory(need, f"{folder} ({human_count(params)} parameters)",
+                 "load it layer by layer (--layerwise, where the command has it), in a smaller --dtype, or on a "
+                 "machine with more memory")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def _config_dtype(config) -> torch.dtype | str:
@@ -343,7 +447,7 @@ def _load_read(folder: Path, klass, task: str, dtype) -> nn.Module | None:
         ckpt = LazyCheckpoint(folder)
         if not any(d.is_floating_point for d in ckpt.dtypes):
             return None
-        stream = LayerStream(folder, dtype=dtype, task=task, ckpt=ckpt)
+        stream = LayerStream(folder, dtype=dtype, task=task, ckpt=ckpt, verify=False)  # (load_model checked it)
         if any(getattr(stream.model, k, None) for k in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")):
             return None  # (the concrete class: an Auto class names none)
         for i in range(stream.n_layers):

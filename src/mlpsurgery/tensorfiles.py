@@ -159,6 +159,32 @@ class LazyCheckpoint:
         return self._files[self.where[name]].get(name)
 
 
+def checkpoint_layout(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
+    """{name: (dtype, shape)} of a transformers folder's weights, read without loading a tensor: the safetensors
+    headers (one file or an index of shards), else a PyTorch checkpoint (pytorch_model.bin or its index of shards)
+    mapped onto the meta device. None when the folder holds neither, or they cannot be read that way (the loader
+    then words what is wrong with them)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        ckpt = LazyCheckpoint(folder)  # (a damaged header is refused here, in one line)
+        return {k: ckpt._files[f].entries[k][2:] for k, f in ckpt.where.items()}
+    index, single = folder / "pytorch_model.bin.index.json", folder / "pytorch_model.bin"
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif single.is_file():
+            files = [single.name]
+        else:
+            return None
+        out = {}
+        for name in files:
+            state = torch.load(folder / name, map_location="meta", mmap=True, weights_only=True)
+            out.update({k: (t.dtype, tuple(t.shape)) for k, t in state.items() if isinstance(t, Tensor)})
+        return out
+    except Exception:  # noqa: BLE001 - an old or damaged format: transformers reads it (and words its errors)
+        return None
+
+
 # --------------------------------------------------------------------------------------------------
 # Writing: safetensors files filled tensor by tensor (the header fixed first, or written last)
 

@@ -135,15 +135,20 @@ def run_cost(args) -> dict:
     import torch
 
     from ..io import check_source, source_spec
-    from ..measure.cost import compare_cost, measure_cost
+    from ..measure.cost import batch_bytes, compare_cost, measure_cost
     from ..models import load_model
+    from ..resources import check_memory
 
     from ..models import check_context
 
     check_plot_path(args.plot, inputs=[args.model, args.baseline])
+    what = f"a batch of {args.batch_size} x {args.seq_len} tokens (--batch-size x --seq-len)"
+    fix = "lower --batch-size or --seq-len"
+    check_memory(batch_bytes(args.batch_size, args.seq_len), what, fix)  # its token ids, before the model loads
     loaded = _load(args)
     model = loaded.model
     check_context(model, args.seq_len, "--seq-len")
+    check_memory(batch_bytes(args.batch_size, args.seq_len, model), what, fix, device=device_of(args))
     baseline = args.baseline or source_spec(model)
     vocab = getattr(model.config, "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
@@ -189,8 +194,10 @@ def render_cost(r: dict) -> str:
 def run_acc(args) -> dict:
     from ..data import read_labelled
     from ..measure.accuracy import accuracy, probe_accuracy
+    from ..models import check_context
 
     loaded = _load(args)
+    check_context(loaded.model, args.max_len, "--max-len")
     stage(args, f"reading the labelled sets {args.train} and {args.test}")
     train = read_labelled(args.train)
     test = read_labelled(args.test, classes=train.classes)

@@ -94,6 +94,7 @@ def run_lock(args) -> dict:
         _rank_from_depth(args, cfg, model)
         cfg.validate()
         check_ranks(plan(model, cfg)[0])  # the layer selection and the MLPs are checked before anything is written
+        _check_net_memory(model, cfg, device, world)
     loaded_rss = peak_rss()  # the peak of loading (both models, for phase 2 alone)
     check_context(model, cfg.block_len)
     _check_top_k(model, cfg)
@@ -264,6 +265,7 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     check_layerwise(one)
     # the layer selection, the model's MLPs and the number of ranks are checked before anything is written
     check_ranks(plan(stream.model, cfg)[0])
+    _check_net_memory(stream.model, cfg, device, world, one_layer=not staged)
     check_context(stream.model, cfg.block_len)
     if staged:  # phase 2's own settings, checked before phase 1 spends its hours
         _check_top_k(stream.model, cfg)
@@ -300,6 +302,22 @@ def _lock_layerwise(args, out: Path, work: Path, inputs: list) -> dict:
     if not kept:
         remove_ours(work)
     return {**res, "peak_rss_bytes": peak_rss(), "workdir": str(work) if kept else None}
+
+
+def _check_net_memory(model, cfg, device, world: int = 1, one_layer: bool = False) -> None:
+    """Refuse, before any net is built, a --rank (or --depth) whose DLR-Nets and their AdamW training state (weights,
+    gradients, two moments: 4 x float32 per parameter) cannot fit: every locked layer's net at once (phase 2, and the
+    whole-model phase 1; under torchrun a rank's share), or one layer's (`one_layer`: layer by layer, no phase 2)."""
+    from ..methods.dlr_lock import plan
+    from ..resources import check_memory
+    from ..sites import find_sites
+
+    layers, depth, _ = plan(model, cfg)
+    d = find_sites(model).config.hidden_size
+    nets = 1 if one_layer else -(-len(layers) // max(world, 1))
+    need = nets * depth * (2 * d * cfg.rank + d + 1) * 4 * 4
+    check_memory(need, f"--rank {cfg.rank} (DLR-Nets of depth {depth} on {nets} layer{'s' if nets != 1 else ''} at "
+                 "once, with their AdamW state)", "lower --rank (or --depth)", device=device)
 
 
 def _check_top_k(model, cfg) -> None:
@@ -431,4 +449,4 @@ def register(sub, groups) -> None:
                         "its DLR-Nets, against the original model it records (or --original)")
     p.add_argument("--original", help=f"with --phase2-only: the model the locked folder was made from (default: the "
                                       f"one it records; checked against its fingerprint); {MODEL_HELP}")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of the nets' init and every batch draw (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of the nets' init and every batch draw (0)")

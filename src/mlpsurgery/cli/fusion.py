@@ -192,10 +192,11 @@ def render_fuse(r: dict) -> str:
 def run_ntk(args) -> dict:
     import torch
 
-    from ..data import read_labelled, text_blocks
+    from ..data import load_corpus, read_labelled
     from ..errors import MLPSurgeryError
-    from ..measure.ntk import compressed_layers, mlp_ntk_error, ntk_error, output_error
+    from ..measure.ntk import compressed_layers, mlp_ntk_error, ntk_bytes, ntk_error, output_error
     from ..models import load_model
+    from ..resources import check_memory
     from ..sites import find_sites, parse_layers
 
     from ..models import check_context
@@ -208,20 +209,36 @@ def run_ntk(args) -> dict:
     ref.model.to(dev)
     tok = ref.require_tokenizer()
     labels = None
+
+    def check_n(held: int, what: str) -> int:
+        # an --n the data cannot fill is refused (not quietly cut to what it holds); the default takes what there is
+        if args.n is not None and 0 < held < args.n:  # (no block at all: corpus.blocks says so)
+            raise MLPSurgeryError(f"--n {args.n} is more than the {held} {what} {args.data} holds; give --n {held} "
+                                  "or less (or more data)")
+        return min(args.n or 32, held)
+
     if args.f == "logit":
         data = read_labelled(args.data)
-        data = data.sample(args.n, seed=args.seed) if args.n < len(data) else data
+        n = check_n(len(data), "labelled examples")
+        data = data.sample(n, seed=args.seed) if n < len(data) else data
         enc = tok(data.texts, padding="max_length", truncation=True, max_length=args.block_len, return_tensors="pt")
         inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         ids, labels = inputs["input_ids"], torch.tensor(data.labels)
     else:
-        ids = inputs = text_blocks(args.data, tok, block_len=args.block_len, split="heldout", max_blocks=args.n,
-                                   seed=args.seed)
+        corpus = load_corpus(args.data, tok)
+        held = sum(len(s) // args.block_len for s in corpus.sequences("heldout"))
+        n = check_n(held, f"held-out blocks of {args.block_len} tokens")
+        ids = inputs = corpus.blocks("heldout", args.block_len, max_blocks=n, seed=args.seed)
     if len(ids) < 2:
         raise MLPSurgeryError(f"{args.data} gave {len(ids)} sample(s); the kernel needs at least 2 (more text or a "
                               "smaller --block-len)")
     layers = parse_layers(args.layers, len(find_sites(ref.model))) if args.layers else \
         compressed_layers(ref.model, cand)
+    need = ntk_bytes(ref.model, cand, len(ids), layers, args.scope)  # before any kernel is computed
+    what = f"--n {len(ids)} (the Adam NTK of {len(ids)} samples"
+    check_memory(need["kernels"], f"{what}: two {len(ids)} x {len(ids)} float64 kernels)", "lower --n")
+    check_memory(need["signs"], f"{what}: the gradient signs, {len(ids)} bytes per MLP parameter)",
+                 "lower --n (or name fewer --layers)", device=dev)
     t0 = time.perf_counter()
     res = {"reference": ref.source, "candidate": args.model_b, "data": args.data, "samples": len(ids),
            "block_len": args.block_len, "layers": layers, "scope": args.scope, "f": args.f}
@@ -290,7 +307,7 @@ def register(sub, groups) -> None:
     p.add_argument("--data-free", action="store_true",
                    help="the papers' one-shot compression, no calibration data (what torchrun does, and --layerwise "
                         "unless --calib-data is given)")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of k-means, sampling and tuning (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of k-means, sampling and tuning (0)")
     p.add_argument("--n-init", type=integer(1), default=3, help="k-means restarts (3)")
     p.add_argument("--kmeans-device", help="where k-means runs (default: --device)")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
@@ -314,7 +331,7 @@ def register(sub, groups) -> None:
     p.add_argument("model_b", help="the compressed model (e.g. a folder written by `mlpsurgery fuse`)")
     p.add_argument("--data", required=True, help="text (file, folder, austen, r8; held-out split) or, with --f logit, "
                    "a labelled set (.tab/.csv/.jsonl, r8-test)")
-    p.add_argument("--n", type=integer(2), default=32, help="samples (32); the kernel is n x n")
+    p.add_argument("--n", type=integer(2), help="samples (32, or all the data holds when fewer); the kernel is n x n")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per sample (128)")
     p.add_argument("--layers", help="MLPs whose parameters form θ (default: the layers where the models differ)")
     p.add_argument("--f", choices=("projection", "logit"), default="projection",
@@ -325,4 +342,4 @@ def register(sub, groups) -> None:
                    "projection of its output on the original inputs, the paper's Table 1); both")
     p.add_argument("--task", default="auto", choices=("auto", "causal-lm", "encoder", "classifier"),
                    help="model head to load for both models (auto: from the config)")
-    p.add_argument("--seed", type=integer(0), default=0, help="sample choice and the projection vector")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="sample choice and the projection vector")

@@ -23,15 +23,15 @@ Files: sources.py (the bundled texts, text files), tables.py (tables through `da
 tokenized and cut into blocks), labelled.py (labelled sets).
 """
 
-from .corpus import (TokenizedCorpus, backend_encode, default_bos, default_heldout, encode, load_corpus, read_corpus,
-                     text_blocks, tokenize_corpus)
+from .corpus import (TokenizedCorpus, backend_encode, check_data, default_bos, default_heldout, encode, load_corpus,
+                     read_corpus, text_blocks, tokenize_corpus)
 from .labelled import LabelledSet, read_labelled
 from .sources import AUSTEN, AUSTEN_HELDOUT, BUNDLED_CORPORA, BUNDLED_LABELLED, Document
 from .tables import (HELDOUT_SPLITS, LABEL_NAMES, TABLE_FORMATS, TEXT_NAMES, is_datasets_folder, is_table, label_column,
                      label_values, read_table, split_spec, table_format, text_column)
 
 __all__ = ["AUSTEN", "AUSTEN_HELDOUT", "BUNDLED_CORPORA", "BUNDLED_LABELLED", "Document", "HELDOUT_SPLITS",
-           "LABEL_NAMES", "LabelledSet", "TABLE_FORMATS", "TEXT_NAMES", "TokenizedCorpus", "backend_encode",
+           "LABEL_NAMES", "LabelledSet", "TABLE_FORMATS", "TEXT_NAMES", "TokenizedCorpus", "backend_encode", "check_data",
            "default_bos", "default_heldout", "encode", "is_datasets_folder", "is_table", "label_column", "label_values",
            "load_corpus", "read_corpus", "read_labelled", "read_table", "split_spec", "table_format", "text_blocks",
            "text_column", "tokenize_corpus"]

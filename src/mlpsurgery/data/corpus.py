@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..errors import MLPSurgeryError
 from .labelled import read_labelled
-from .sources import AUSTEN, AUSTEN_HELDOUT, BUNDLED_CORPORA, Document, _bundled, _read_text
+from .sources import AUSTEN, AUSTEN_HELDOUT, BUNDLED_CORPORA, Document, _bundled, _read_text, check_data_path
 from .tables import _table_documents, is_table, split_spec
 
 
@@ -48,6 +48,7 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
         raise MLPSurgeryError(f"corpus {spec!r} does not exist; give a text file, a folder of .txt files, a table "
                               f"(.parquet, .jsonl, .csv, a datasets save_to_disk folder), or one of the bundled "
                               f"corpora: {', '.join(BUNDLED_CORPORA)}")
+    check_data_path(p)
     if is_table(p):
         docs = _table_documents(p, text_col)
     elif text_col is not None:
@@ -65,6 +66,19 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     if not docs:
         raise MLPSurgeryError(f"corpus {p} is empty")
     return docs
+
+
+def check_data(spec: str | Path | None) -> None:
+    """Refuse, before any work, a data argument (a corpus, a mix A+B, a table with :text=COL options, a labelled set)
+    that names a path which is neither a regular file nor a folder (a FIFO, a socket, a device: see
+    sources.check_data_path); bundled names and missing paths are left to the reader, which words their refusal."""
+    if spec is None:
+        return
+    text = str(spec)
+    parts = text.split("+") if "+" in text and not Path(text).expanduser().exists() else [text]
+    for part in parts:
+        if part:
+            check_data_path(Path(split_spec(part)[0]).expanduser())
 
 
 def backend_encode(tokenizer, text: str):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MLPSurgeryError
-from .sources import BUNDLED_LABELLED, _bundled, _read_text
+from .sources import BUNDLED_LABELLED, _bundled, _read_text, check_data_path
 from .tables import LABEL_NAMES, TEXT_NAMES, _table_labelled, is_datasets_folder, split_spec, table_format
 
 
@@ -115,6 +115,7 @@ def read_labelled(path: str | Path, text_col: str | None = None, label_col: str 
         if not p.exists():
             raise MLPSurgeryError(f"labelled data {text!r} does not exist; give a .tab/.csv/.jsonl/.parquet file, a "
                                   f"datasets folder (save_to_disk), or one of {', '.join(BUNDLED_LABELLED)}")
+        check_data_path(p)
         if is_datasets_folder(p) or (p.is_file() and table_format(p) == "parquet"):
             texts, labels = _table_labelled(p, text_col, label_col, split)
         else:

@@ -29,9 +29,28 @@ def _bundled(name: str) -> str:
         return gzip.decompress(f.read()).decode("utf-8")
 
 
+def check_data_path(path: Path) -> None:
+    """Refuse a data input that is neither a regular file nor a folder -- a named pipe (FIFO), a socket, a device
+    (/dev/stdin, /dev/zero) -- before it is opened: reading one would block until a writer comes, or never end."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # a missing path: the caller's own refusal names what may be given
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "not a regular file")
+    raise MLPSurgeryError(f"data {path} is {kind}, which cannot be read as a whole; give a regular file or a folder "
+                          "of files (save the stream to a file first)")
+
+
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise MLPSurgeryError(f"{path} is a folder; a file is expected here")
+    check_data_path(path)
     try:
         data = path.read_bytes()
         if path.suffix == ".gz":

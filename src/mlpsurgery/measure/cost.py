@@ -174,6 +174,24 @@ def _peak(device: torch.device, fn: Callable[[], None], track: tuple) -> int:
     return tracker.peak
 
 
+def batch_bytes(batch_size: int, seq_len: int, model: nn.Module | None = None) -> int:
+    """A floor of the memory one timed batch (batch_size, seq_len) takes, known before it is made: its token ids
+    (int64), and with `model` (its config: hidden size, layers, vocabulary) the final logits (float32, as the loss
+    reads them) and the one hidden state per layer that a training step keeps for its backward. The parameters, the
+    optimizer state and every other activation come on top, so a batch refused on this count could never run."""
+    tokens = int(batch_size) * int(seq_len)
+    need = tokens * 8
+    if model is not None:
+        cfg = getattr(model, "config", None)
+        p = next(iter(model.parameters()), None)
+        item = p.element_size() if p is not None else 4
+        d = getattr(cfg, "hidden_size", 0) or 0
+        layers = getattr(cfg, "num_hidden_layers", 0) or 0
+        vocab = getattr(cfg, "vocab_size", 0) or 0
+        need += tokens * (vocab * 4 + layers * d * item)
+    return need
+
+
 def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int = 1, lr: float = 1e-5,
                  loss_fn: Callable[[nn.Module, Tensor], Tensor] = default_loss, memory: bool = True,
                  gradient_checkpointing: bool = False, progress: bool = False, desc: str = "cost") -> Cost:

@@ -128,6 +128,19 @@ def sign_kernel(output: Callable[[int], Tensor], params: list[nn.Parameter], n: 
     return K
 
 
+def ntk_bytes(reference: nn.Module, candidate: nn.Module, n: int, layers: list[int], scope: str = "model") -> dict:
+    """A floor of the memory the kernels of n samples take, known before any is computed: {"kernels": host bytes of
+    the two n x n float64 kernels compared, "signs": device bytes of the int8 gradient signs `sign_kernel` keeps,
+    n per parameter of θ (the MLPs of `layers` together for the whole-model kernel, one MLP for scope "mlp")}."""
+    theta = 0
+    for model in (reference, candidate):
+        if scope in ("model", "both"):
+            theta = max(theta, sum(p.numel() for p in sites_parameters(model, layers)))
+        else:
+            theta = max(theta, *(sum(p.numel() for p in sites_parameters(model, [i])) for i in layers))
+    return {"kernels": 2 * n * n * 8, "signs": n * theta}
+
+
 def adam_ntk(model: nn.Module, inputs, layers: list[int], f: str = "projection", labels: Tensor | None = None,
              seed: int = 0, progress: bool = True) -> Tensor:
     """K (n, n) of the whole model's scalar output f over the MLP parameters at `layers` (see module doc).

@@ -29,8 +29,9 @@ from .find import Sites, find_sites, parse_layers
 from .generic import GenericLayer, generic_layers
 from .linears import linear_weight
 from .mlp import MLPSite
-from .specs import ARCH_SPECS, SUPPORTED, ArchSpec, arch_spec
+from .specs import ARCH_SPECS, SUPPORTED, ArchSpec, arch_spec, layer_indices
 from .weights import AttnWeights, MLPWeights, activation_fn
 
 __all__ = ["ARCH_SPECS", "SUPPORTED", "ArchSpec", "AttnSite", "AttnWeights", "GenericLayer", "MLPSite", "MLPWeights",
-           "Sites", "activation_fn", "arch_spec", "find_sites", "generic_layers", "linear_weight", "parse_layers"]
+           "Sites", "activation_fn", "arch_spec", "find_sites", "generic_layers", "layer_indices", "linear_weight",
+           "parse_layers"]

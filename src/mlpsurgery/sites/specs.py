@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from ..errors import UnsupportedArchitectureError
@@ -109,3 +110,14 @@ def arch_spec(config) -> ArchSpec:
             "Methods that need no sites (CoreLocker on plain PyTorch models) accept any model through "
             "mlpsurgery.sites.generic_layers().")
     return spec.at_config(config)
+
+
+def layer_indices(config, names) -> set[int] | None:
+    """The layer indices a checkpoint's tensor names hold (`model.layers.3.mlp.up_proj.weight` -> 3), read where the
+    config's architecture keeps its layers (with or without the base model's prefix); None for an architecture
+    without a spec (the caller then cannot tell which numbers in the names are layers)."""
+    spec = ARCH_SPECS.get(getattr(config, "model_type", None))
+    if spec is None:
+        return None
+    pattern = re.compile(r"(?:^|\.)" + re.escape(spec.at_config(config).layers) + r"\.(\d+)\.")
+    return {int(m.group(1)) for m in map(pattern.search, names) if m}

@@ -54,6 +54,7 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     from ...files import check_state
 
     from ... import parallel
+    from ...data import check_data
 
     out = Path(out)
     steps = train.fit.steps if train else 0
@@ -63,6 +64,9 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         raise MLPSurgeryError("under torchrun `nest` shards its training over the ranks: give --train-steps N, or run "
                               "it as one process")
     progress = progress and rank == 0
+
+    for given in (data, calib_data):  # a FIFO or a device as data is refused before any work, not waited on
+        check_data(given)
 
     def claims():  # rank 0's (every rank hears of a refusal); before hours of training
         check_out(out, overwrite, inputs=[model_spec, data, calib_data, ckpt if steps > 0 else None])
