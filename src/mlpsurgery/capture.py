@@ -6,7 +6,9 @@ tokens: x, y are (n_tokens, d).
 
 Captures stream batch by batch into chunks, kept in memory or written to disk as one safetensors file
 per chunk, so the corpus size is bounded by disk, not RAM. A disk capture is resumable: an interrupted
-run keeps its finished chunks and a rerun with the same model, data and layers computes only the rest.
+run keeps its finished chunks and a rerun with the same model, data and layers computes only the rest. Each chunk
+on disk carries its size and SHA-256 (`<chunk>.sum.json`, checksums.py), checked when it is read back: a truncated,
+edited or unchecksummed chunk (one written before checksums) is refused, never used.
 The forward pass stops after the last chosen layer (nothing downstream is computed).
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,7 +27,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import parallel
+from . import checksums, files, parallel
 from .errors import IntegrityError, MLPSurgeryError
 from .sites import find_sites
 
@@ -56,8 +57,13 @@ class Capture:
         if self.root is None:
             data = self.memory[k]
             return {i: (data[f"x.{i}"], data[f"y.{i}"]) for i in layers}
-        with safe_open(chunk_path(self.root, k), framework="pt") as f:
-            return {i: (f.get_tensor(f"x.{i}"), f.get_tensor(f"y.{i}")) for i in layers}
+        path = chunk_path(self.root, k)
+        checksums.check(path, lambda: _fix(self.root))  # hashed once per process; then its size, time and inode
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {i: (f.get_tensor(f"x.{i}"), f.get_tensor(f"y.{i}")) for i in layers}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged file
+            raise IntegrityError(f"{path} cannot be read ({type(e).__name__}); {_fix(self.root)}") from None
 
     def keep(self, layers: list[int]) -> None:
         """Forget every other layer's rows (held in memory; a capture on disk only stops listing them)."""
@@ -114,8 +120,13 @@ def open_capture(root: str | Path) -> Capture:
     sizes = []
     d = 0
     for k in range(n):
-        with safe_open(chunk_path(root, k), framework="pt") as f:
-            shape = f.get_slice(f"x.{layers[0]}").get_shape()
+        path = chunk_path(root, k)
+        checksums.check(path, lambda: _fix(root), full=False)  # size and record here; the contents when a chunk is read
+        try:
+            with safe_open(path, framework="pt") as f:
+                shape = f.get_slice(f"x.{layers[0]}").get_shape()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged file
+            raise IntegrityError(f"{path} cannot be read ({type(e).__name__}); {_fix(root)}") from None
         sizes.append(shape[0])
         d = shape[1]
     return Capture(layers=layers, d=d, root=root, n_chunks=n, tokens_per_chunk=sizes)
@@ -142,10 +153,26 @@ def chunk_path(root: Path, k: int) -> Path:
 
 
 def _write_chunk(path: Path, chunk: dict[str, Tensor]) -> None:
-    """One chunk, whole or not at all (a stop mid-write leaves no chunk for a resumed capture to trust)."""
+    """One chunk, whole or not at all (a stop mid-write leaves no chunk for a resumed capture to trust), with its
+    size and SHA-256 beside it (checksums.seal), checked when it is read back."""
     tmp = path.with_suffix(".tmp")
     save_file(chunk, str(tmp))
-    os.replace(tmp, path)
+    checksums.seal(tmp, path)
+
+
+def _fix(root: Path) -> str:
+    """What to do about a damaged chunk of the capture in `root`: the end of its refusal."""
+    root = Path(root)
+    work = next((p for p in root.parents if files.is_ours(p)), None)  # the work folder holding the capture
+    return (f"delete it to capture it again, or remove the {'work' if work else 'capture'} folder {work or root} "
+            "to start afresh")
+
+
+def _check_done(root: Path, done) -> None:
+    """Refuse a resumed capture whose finished chunks were truncated or have no checksum (their contents are
+    checked when they are read)."""
+    for k in sorted(done):
+        checksums.check(chunk_path(root, k), lambda: _fix(root), full=False)
 
 
 def _chunk_tokens(n_blocks: int, block_len: int, batch_size: int) -> list[int]:
@@ -201,6 +228,7 @@ def capture_mlp_io(model: nn.Module, blocks: Tensor, layers: list[int] | None = 
         fp = fingerprint(model, blocks, layers=layers, dtype=dtype, **({"students": tag} if replace else {}))
         if _index(root, fp, layers, n_chunks, batch_size, dtype):
             done = {k for k in range(n_chunks) if chunk_path(root, k).exists()}
+            _check_done(root, done)
     cap.tokens_per_chunk = _chunk_tokens(len(blocks), blocks.shape[1], batch_size)
 
     last = layers[-1]
@@ -268,6 +296,7 @@ def layer_capture(site, n_blocks: int, block_len: int, batch_size: int, out_dir:
                   tokens_per_chunk=_chunk_tokens(n_blocks, block_len, batch_size))
     _index(root, fp, [layer], n_chunks, batch_size, dtype)
     paths = [chunk_path(root, k) for k in range(n_chunks)]
+    _check_done(root, [k for k, p in enumerate(paths) if p.exists()])
     if all(p.exists() for p in paths):
         yield cap, False
         return

@@ -5,7 +5,8 @@ Resumability rests on one rule: the batch of step t is a pure function of (seed,
 so a run killed at any point and resumed from its last checkpoint replays exactly the steps an
 uninterrupted run would have taken. A checkpoint holds the trainable tensors, the optimizer and
 schedule state, the RNG state (dropout) and the history, in safetensors + JSON (never pickle), written
-atomically; Ctrl-C writes one before stopping.
+atomically with the size and SHA-256 of each file (checksums.json), checked on resume; Ctrl-C writes one before
+stopping. A run estimated to take more than an hour says so after its first step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,8 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import files
+from . import checksums, files
 from .errors import IntegrityError, MLPSurgeryError
+
+CHECKPOINT_FILES = ["tensors.safetensors", "state.json"]  # each recorded in the checkpoint's checksums.json
 
 
 @dataclass
@@ -113,6 +117,7 @@ def save_checkpoint(folder: str | Path, state: dict, sharded: bool = False) -> N
         with files.atomic_dir(folder, overwrite=True, kind="checkpoint") as tmp:
             save_file(tensors, str(tmp / "tensors.safetensors"))
             (tmp / "state.json").write_text(json.dumps(skeleton))
+            checksums.seal_folder(tmp, CHECKPOINT_FILES)
         return
     from . import parallel
     from .tensorfiles import SafetensorsWriter
@@ -141,6 +146,7 @@ def save_checkpoint(folder: str | Path, state: dict, sharded: bool = False) -> N
             if not failure:
                 writer.close()
                 (tmp / "state.json").write_text(json.dumps(skeleton))
+                checksums.seal_folder(tmp, CHECKPOINT_FILES)
         except BaseException as e:  # noqa: BLE001 - as above
             failure.append(e)
         if failure:
@@ -153,10 +159,13 @@ def save_checkpoint(folder: str | Path, state: dict, sharded: bool = False) -> N
 
 
 def load_checkpoint(folder: str | Path) -> dict | None:
-    """The state written by save_checkpoint, or None if there is none."""
+    """The state written by save_checkpoint, or None if there is none. Its files are checked against the checksums
+    recorded when it was written: a damaged, edited or unchecksummed one (written before checksums) is refused."""
     folder = Path(folder)
     if not (folder / "state.json").exists():
         return None
+    checksums.check_folder(folder, CHECKPOINT_FILES, f"remove the checkpoint folder {folder} to start that training "
+                                                     "afresh (the run then starts again from step 0)")
     try:
         skeleton = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "tensors.safetensors"))
@@ -459,6 +468,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     trained = [p for g in opt.param_groups for p in g["params"]]
     try:
         for step in range(start, cfg.steps):
+            began = time.perf_counter()
             rng_next = rng_state()
             f = lr_factor(cfg, step)
             for g, lr in zip(opt.param_groups, base_lrs):
@@ -491,6 +501,10 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
                 history.append(rec)
                 done, rng_next = step + 1, None
             bar.update(1)
+            if step == start and progress and rank == 0:  # a run of days says so up front, not at its end
+                note = long_run_message(time.perf_counter() - began, cfg.steps, start, ckpt is not None)
+                if note:
+                    tqdm.write(f"mlpsurgery: {desc}: {note}", file=sys.stderr)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.set_postfix(loss=f"{rec['loss']:.4g}")
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -513,6 +527,32 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
               "world_size": size if distributed else 1}
     return FitResult(history=history, steps=cfg.steps, resumed_from=start, seconds=seconds, stopped_early=stopped,
                      memory=memory)
+
+
+LONG_RUN_SECONDS = 3600  # a run whose steps would take longer says so after its first step
+
+
+def _duration(seconds: float) -> str:
+    hours = seconds / 3600
+    if hours < 48:
+        return f"{hours:.1f} hours"
+    days = hours / 24
+    return f"{days:,.0f} days" if days < 3 * 365 else f"{days / 365.25:,.0f} years"
+
+
+def long_run_message(seconds_per_step: float, steps: int, resumed_from: int = 0, checkpoint: bool = True) -> str | None:
+    """What fit says on stderr (unless quiet) after the first step of a run whose steps left would take more than
+    LONG_RUN_SECONDS at that step's pace (the first step is the slowest, so the estimate errs long); None for a
+    shorter run. E.g. "at 0.12 s a step, 100,000,000 steps take about 139 days; Ctrl-C stops it ..."."""
+    left = steps - resumed_from
+    total = seconds_per_step * left
+    if not total > LONG_RUN_SECONDS:
+        return None
+    pace = f"{seconds_per_step:,.0f}" if seconds_per_step >= 10 else f"{seconds_per_step:.2g}"
+    return (f"at {pace} s a step, {left:,} steps{' left' if resumed_from else ''} take about "
+            f"{_duration(total)}; Ctrl-C stops it, "
+            + ("and the same command resumes it from its checkpoint" if checkpoint else
+               "and this run keeps no checkpoint to resume from"))
 
 
 @contextlib.contextmanager

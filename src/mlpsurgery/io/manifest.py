@@ -16,6 +16,8 @@ FORMAT_VERSION = 2  # 2: every model-defining file checksummed, the manifest dig
 MANIFEST = "surgery.json"
 WEIGHTS = "model.safetensors"
 MASKS = "masks.safetensors"  # pruning masks, apart from the weights (modules/masks.py)
+# files that hold or point to weights: each one in a saved folder must be listed in its manifest (verify_files)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
 
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -87,9 +89,33 @@ def read_manifest(folder: str | Path) -> dict:
     return manifest
 
 
+def _weight_files(folder: Path) -> list[str]:
+    """The files in `folder` that hold (or point to) weights a reader could take: every safetensors, PyTorch or
+    GGUF file, every index of shards, and every file such an index names."""
+    names = {p.name for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and not p.is_dir()}
+    for index in sorted(n for n in names if n.endswith(".index.json")):
+        try:
+            weight_map = json.loads((folder / index).read_bytes()).get("weight_map", {})
+            names.update(str(v) for v in weight_map.values())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError, TypeError):
+            pass  # not listed, so refused below as it is
+    return sorted(names)
+
+
 def verify_files(folder: Path, manifest: dict) -> None:
-    """Every file the manifest lists is present and unchanged."""
-    listed = manifest.get("files", {WEIGHTS: manifest["weights_sha256"]})
+    """Every file the manifest lists is present and unchanged; the weights are checked against weights_sha256
+    whatever `files` says, and (format 2, which lists every file it wrote) every weights file in the folder, and
+    every file a safetensors index there names, must be listed: removing a file from `files` (and re-signing the
+    manifest) does not switch its check off."""
+    listed = dict(manifest.get("files", {WEIGHTS: manifest["weights_sha256"]}))
+    if listed.setdefault(WEIGHTS, manifest["weights_sha256"]) != manifest["weights_sha256"]:
+        raise _edited(Path(folder) / MANIFEST, f"its 'files' entry for {WEIGHTS} and its weights_sha256 differ")
+    if manifest.get("format_version", 1) >= 2:
+        unlisted = [n for n in _weight_files(Path(folder)) if n not in listed]
+        if unlisted:
+            raise IntegrityError(f"{Path(folder) / unlisted[0]} holds weights but is not listed in {MANIFEST}: the "
+                                 "file was added or the manifest edited. Remove the file, or restore the folder from "
+                                 "the original save")
     for name, digest in listed.items():
         path = folder / name
         if not path.exists():

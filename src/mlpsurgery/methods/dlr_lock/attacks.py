@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ...capture import capture_mlp_io
-from ...errors import MLPSurgeryError
+from ...errors import IntegrityError, MLPSurgeryError
 from ...io import atomic_write_text
 from ...modules.dense import DenseMLP
 from ...modules.dlr import DLRNet, rms_norm
@@ -190,9 +190,11 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
-    def done(path: Path, *more: Path):  # rank 0's reading of a finished result, on every rank (None: not done)
-        found = rank == 0 and path.exists() and all(p.exists() for p in more)
-        return parallel.from_rank0(json.loads(path.read_text()) if found else None)
+    def done(path: Path, *more: Path, keys=_RUN_KEYS):  # rank 0's reading of a finished result, on every rank
+        def read():  # (None: not done; a damaged result is refused on every rank)
+            found = path.exists() and all(p.exists() for p in more)
+            return _read_result(path, out, keys) if found else None
+        return parallel.from_rank0(parallel.on_rank0(read))
 
     def write(path: Path, row: dict) -> dict:  # rank 0 writes; every rank goes on with what a resumed suite reads
         if rank == 0:
@@ -247,12 +249,12 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
         results.append(write(path, {**res.as_dict(), "family": family}))  # as a resumed suite will read it
     reverse = None
     if "reverse" in cfg.attacks:
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         path, weights = out / "reverse_distillation.json", out / "reverse_distilled.safetensors"
-        reverse = done(path, weights)
+        reverse = done(path, weights, keys=_REVERSE_KEYS)
         if reverse is not None:
-            parts = parallel.from_rank0(load_file(weights) if rank == 0 else None)
+            parts = parallel.from_rank0(parallel.on_rank0(lambda: _read_weights(weights, path, out)))
         else:
             layers = [s.index for s in find_sites(locked_skeleton).mlp
                       if isinstance(s.module, DLRNet)][:cfg.reverse_layers]
@@ -283,6 +285,38 @@ def attack_suite(original: nn.Module, locked: nn.Module, train_blocks: Tensor, e
                 # the distillation comes first, on the attacker's clock
             results.append(row)
     return {"attacks": results, "reverse": reverse, "config": asdict(cfg)}
+
+
+_RUN_KEYS = ("name", "history", "eval", "step_peak_bytes", "step_seconds", "trainable_params", "diverged")
+_REVERSE_KEYS = ("layers", "steps", "seconds", "seconds_per_layer", "relative_error", "history")
+
+
+def _damaged(path: Path, out: Path, again: str) -> IntegrityError:
+    return IntegrityError(f"{path} is damaged (not the result mlpsurgery wrote: truncated or edited); delete it to "
+                          f"{again}, or remove the results folder {out} to start afresh")
+
+
+def _read_result(path: Path, out: Path, keys) -> dict:
+    """A finished run's result (what a resumed suite reuses), or a one-line refusal when the file was damaged."""
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        row = None
+    if not isinstance(row, dict) or any(k not in row for k in keys) or \
+            not all(isinstance(row[k], list) for k in ("history", "eval") if k in keys):
+        raise _damaged(path, out, "run that attack again")
+    return row
+
+
+def _read_weights(weights: Path, record: Path, out: Path) -> dict[str, Tensor]:
+    """The reverse-distilled sub-blocks a finished reverse distillation left, or a one-line refusal."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(weights))
+    except Exception:  # noqa: BLE001 - safetensors raises its own types for a damaged file
+        raise IntegrityError(f"{weights} is damaged (not the file mlpsurgery wrote); delete it and {record.name} to "
+                             f"distil again, or remove the results folder {out} to start afresh") from None
 
 
 def _checkpoint_dlr(model: nn.Module) -> nn.Module:
