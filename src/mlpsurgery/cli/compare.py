@@ -70,7 +70,7 @@ def register(sub, groups) -> None:
     p.add_argument("--new-tokens", type=integer(1), default=32, help="decode steps timed (32)")
     p.add_argument("--repeats", type=integer(1), default=5, help="timed repeats per model, medians (5)")
     p.add_argument("--threads", type=integer(1), help="CPU threads while timing (default: torch's setting)")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of every method's draws (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of every method's draws (0)")
     p.add_argument("--no-models", action="store_true", help="do not save each point as a model folder")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out made with other settings (only a folder mlpsurgery wrote)")

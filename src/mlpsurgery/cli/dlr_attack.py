@@ -183,4 +183,4 @@ def register(sub, groups) -> None:
                         "route is estimated from their time); default all")
     p.add_argument("--reverse-steps", type=integer(1), default=200,
                    help="distillation steps per DLR-Net of the reverse route (200)")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of the attacker's batches and initialisations (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of the attacker's batches and initialisations (0)")

@@ -239,7 +239,7 @@ def register(sub, groups) -> None:
     g.add_argument("--max-len", type=integer(2), default=128, help="truncation of classification texts (128)")
     g.add_argument("--train", choices=("nested", "all"), default="nested",
                    help="nested: only the nested factors (+ a new classification head); all: every parameter")
-    g.add_argument("--seed", type=integer(0), default=0, help="seed of the data order and rank draws (0)")
+    g.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of the data order and rank draws (0)")
     g.add_argument("--checkpoint", help="training checkpoint folder (default DIR.ckpt beside --out; removed after "
                                         "the save; rerun the same command to resume)")
     g.add_argument("--layerwise", action="store_true",

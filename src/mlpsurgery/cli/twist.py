@@ -323,7 +323,7 @@ def register(sub, groups) -> None:
     p.add_argument("--shared-last", type=integer(0), default=2, help="last layers every subnet holds whole (2)")
     p.add_argument("--common-attn", help="common set C of KV groups, e.g. 0 (default: none)")
     p.add_argument("--common-ffn", help="common set C of MLP chunks, e.g. 0,5 (default: none)")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of the partitions and the data order (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="seed of the partitions and the data order (0)")
     p.add_argument("--checkpoint", help="checkpoint folder (default: OUT.checkpoint; a rerun with the same model, "
                    "data and settings resumes from it, anything else is refused; removed after success)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint (short or timed runs)")
@@ -336,7 +336,7 @@ def register(sub, groups) -> None:
     p.add_argument("--keep", type=integer(1), required=True, help="X: MLP chunks kept per layer (kappa = X/R)")
     p.add_argument("--out", required=True,
                    help="folder for the extracted subnet (a plain transformers model where its widths are uniform)")
-    p.add_argument("--seed", type=integer(0), default=0, help="which random subnet (0)")
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0, help="which random subnet (0)")
     p.add_argument("--blocks", type=integer(1), help="R (default: as trained, else 12)")
     p.add_argument("--parts", choices=("attn", "ffn", "both"), help="default: as trained, else both")
     p.add_argument("--attn-keep", type=integer(1), help="KV groups kept (default: round(kappa x groups), at least 1)")
@@ -377,7 +377,7 @@ def register(sub, groups) -> None:
     p.add_argument("--max-memory", type=number(0), metavar="GB",
                    help="with --layerwise: keep the calibration activations on disk when the working set would pass "
                         "this many GiB (refused if one layer alone does not fit)")
-    p.add_argument("--seed", type=integer(0), default=0,
+    p.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0,
                    help="seed of the calibration blocks' draw and of the random subnets (0)")
     p.add_argument("--out", required=True, help="folder for the pruned model")
     p.add_argument("--overwrite", action="store_true",
