@@ -318,9 +318,12 @@ def _signed(path: Path) -> bool:
 
 
 def _note(message: str) -> None:
-    from .report import warn
+    """A warning on stderr, as report.warn words it (report sits above this module: it writes through it)."""
+    import sys
 
-    warn(message)
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"mlpsurgery: warning: {message}", file=sys.stderr)
 
 
 def _temp_name(out: Path, tag: str) -> Path:

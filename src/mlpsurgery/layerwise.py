@@ -44,7 +44,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .checkpoints import config_dtype
 from .errors import MLPSurgeryError
+from .resources import trim_heap
 from .tensorfiles import LazyCheckpoint, SafetensorsAppender, header_reserve, shared_names
 
 GiB = 2**30
@@ -69,14 +71,6 @@ def digest_chain(h: str, *parts) -> str:
     return hashlib.sha256("|".join([h, *map(str, parts)]).encode()).hexdigest()
 
 
-def trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc), so a released layer leaves the resident set."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """glibc: serve every allocation of `threshold` bytes or more by its own memory map, returned to the OS when
     freed (what MALLOC_MMAP_THRESHOLD_=1048576 does). By default the threshold adapts upwards to 32 MB, and the
@@ -86,14 +80,6 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-def config_dtype(config) -> torch.dtype | None:
-    """The floating dtype config.json names (what transformers' dtype="auto" takes), or None."""
-    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(found, str):
-        found = getattr(torch, found, None)
-    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 
 def resolve_dtype(config, dtype) -> torch.dtype:
@@ -117,12 +103,12 @@ class LayerStream:
         because the caller just did, every file against its digest), the structure it records rebuilt (replaced
         modules, narrowed layers), its dtype the default, its history and source carried; `self.manifest` holds it
         (None for a stock checkpoint). One with pruning masks is refused (their buffers are not streamed). A stock
-        checkpoint's config.json is checked against its weight files' headers first (models.check_weights; not with
-        verify=False, where the caller just did)."""
+        checkpoint's config.json is checked against its weight files' headers first (checkpoints.check_weights;
+        not with verify=False, where the caller just did)."""
         from accelerate import init_empty_weights
 
+        from .checkpoints import _model_class, check_weights, read_config
         from .io import MANIFEST, read_manifest, rebuild_saved
-        from .models import _model_class, check_weights, read_config
         from .sites import arch_spec
 
         self.folder = Path(folder)

@@ -8,6 +8,7 @@ setting to change, when it exceeds what the machine has available.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -93,3 +94,11 @@ def check_memory(nbytes: int, what: str, fix: str, device=None) -> None:
     where = "this machine has" if device is None or str(device).startswith("cpu") else f"{device} has"
     raise MLPSurgeryError(f"{what} needs {human_bytes(nbytes)} of memory, {where} {human_bytes(avail)} available; "
                           f"{fix}")
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc), so a released layer leaves the resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -30,8 +30,10 @@ from typing import Any
 
 from torch import nn
 
-from . import __version__
+from . import __version__, checkpoints
 from .errors import MLPSurgeryError
+
+stock_config_dict = checkpoints.stock_config_dict  # moved to checkpoints.py (below io); importable from here too
 
 PREFIX = "mlpsurgery_"
 MODELING = "modeling_mlpsurgery.py"
@@ -259,14 +261,3 @@ def write(folder: Path, model: nn.Module, entries: list[dict[str, Any]]) -> list
     config["architectures"] = [auto_map[next(a for a in auto_map if a != "AutoConfig")].split(".")[1]]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return sorted(files)
-
-
-def stock_config_dict(config: dict) -> dict:
-    """A folder's config.json as the stock config it extends (what mlpsurgery itself loads)."""
-    plan = config.get("mlpsurgery")
-    if not isinstance(plan, dict):
-        return config
-    out = {k: v for k, v in config.items() if k not in ("mlpsurgery", "auto_map")}
-    out["model_type"] = plan.get("model_type")
-    out["architectures"] = [plan.get("model_class")]
-    return out

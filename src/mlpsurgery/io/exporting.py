@@ -174,7 +174,7 @@ def export(src: str | Path | nn.Module, out: str | Path, tokenizer=None, overwri
     inputs = [src] if isinstance(src, (str, Path)) else []
     check_out(out, overwrite, inputs=inputs)
     if isinstance(src, (str, Path)):
-        from ..models import _tokenizer
+        from ..checkpoints import _tokenizer
 
         folder = Path(src)
         model = load(folder)

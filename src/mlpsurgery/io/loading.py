@@ -4,12 +4,12 @@ checked against the weights' header before anything is allocated, weights loaded
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..checkpoints import read_saved_config as read_config  # (a saved folder's config; defined below io)
 from ..errors import IntegrityError
 from ..modules import build
 from ..modules.masks import load_mask, restore_masks
@@ -80,24 +80,6 @@ def _check_shapes(config, klass, modules: list[dict], weights: Path) -> None:
     if odd:
         raise IntegrityError(f"{weights.name} does not fit the structure in {MANIFEST}: {odd[0]} is "
                              f"{shapes[odd[0]]}, the model needs {wanted[odd[0]]}")
-
-
-def read_config(folder: Path):
-    """The folder's config as the stock config class of its architecture (a folder with generated modeling code
-    has config.json's model_type `mlpsurgery_<type>`: mlpsurgery reads the stock type and never runs that code)."""
-    from transformers import CONFIG_MAPPING
-
-    from ..standalone import stock_config_dict
-
-    path = folder / "config.json"
-    try:
-        raw = stock_config_dict(json.loads(path.read_bytes()))
-        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
-    except FileNotFoundError:
-        raise IntegrityError(f"{folder} has no config.json; restore it from the original save") from None
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError) as e:
-        raise IntegrityError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                             "restore it from the original save") from None
 
 
 def _load_masks(model: nn.Module, folder: Path, names: list[str]) -> None:
