@@ -44,6 +44,37 @@ def ids(tokenizer):
     return torch.tensor([tokenizer(TEXT)["input_ids"][:48], tokenizer(TEXT)["input_ids"][48:96]])
 
 
+def one_line(code, err):
+    """A refusal as the CLI must give it: exit 2, one line on stderr, no traceback."""
+    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def run(capsys, *argv):
+    """The CLI in this process: (exit status, stdout, stderr)."""
+    from mlpsurgery.cli import main
+
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def snapshot(root) -> dict:
+    """Every file, link and folder under root (hidden ones too), files with their bytes: what "nothing changed"
+    compares."""
+    import os
+
+    root, out = Path(root), {}
+    for p in sorted(Path(root).rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+        elif p.is_dir():
+            out[rel] = "dir"
+    return out
+
+
 def edit_manifest(folder, fn):
     """Change a saved folder's surgery.json with fn(manifest) and re-sign its digest, as a deliberate editor
     would: what load must still catch by its deeper checks."""

@@ -16,37 +16,14 @@ import pytest
 
 import mlpsurgery as ms
 from mlpsurgery import files
-from mlpsurgery.cli import main
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.files import MARKER, atomic_dir, claim, is_ours
 from mlpsurgery.tiny import tiny_model
 
+from conftest import one_line, run, snapshot
+
 DEAD = 2 ** 22 + 4321  # above any pid this machine hands out (pid_max <= 2**22)
 TEXT = "It is a truth universally acknowledged that a single man in possession of a good fortune must be in want. " * 40
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def one_line(code, err):
-    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-def snapshot(root: Path) -> dict:
-    """Every file and link under root (hidden ones too) with its bytes: what 'nothing changed' compares."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_symlink():
-            out[rel] = ("link", os.readlink(p))
-        elif p.is_file():
-            out[rel] = p.read_bytes()
-        elif p.is_dir():
-            out[rel] = "dir"
-    return out
 
 
 def cli_env():

@@ -13,22 +13,11 @@ import torch
 import transformers as T
 
 import mlpsurgery as ms
-from conftest import outputs
-from mlpsurgery.cli import main
+from conftest import one_line, outputs, run
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.files import MARKER, atomic_dir, check_out, claim, is_ours, remove_ours
 from mlpsurgery.models import load_model
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
-
-
-def one_line(code, err):
-    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 # ---- ownership and refusals --------------------------------------------------------------------------

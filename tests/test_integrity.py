@@ -18,27 +18,12 @@ import pytest
 import torch
 
 import mlpsurgery as ms
-from conftest import edit_manifest
+from conftest import edit_manifest, one_line, run, snapshot
 from mlpsurgery.checksums import sidecar
 from mlpsurgery.cli import main
 from mlpsurgery.errors import IntegrityError
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
 from mlpsurgery.train import FitConfig, StopTraining, fit, long_run_message
-
-
-def one_line(code, err):
-    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file under `folder`, by relative path, with its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def flip(path: Path, at: int = -1) -> None:

@@ -11,17 +11,13 @@ from pathlib import Path
 import pytest
 
 import mlpsurgery as ms
-from conftest import TEXT
+from conftest import TEXT, one_line
 from mlpsurgery import resources
 from mlpsurgery.cli import main
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
 
 HUGE = "1000000000"
-
-
-def one_line(code, err):
-    return code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def tree(root: Path) -> set[str]:
