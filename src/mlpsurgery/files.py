@@ -234,19 +234,19 @@ def check_file_out(path: str | Path, overwrite: bool = False, inputs: Iterable[s
 SIGNATURE = "written-by-mlpsurgery"
 
 
-def file_is_ours(path: str | Path) -> bool:
-    """Whether the file at `path` carries mlpsurgery's signature in its first or last 64 KiB."""
-    sig = SIGNATURE.encode()
+def file_is_ours(path: str | Path, marks: tuple[str, ...] = (SIGNATURE,), tail: bool = True) -> bool:
+    """Whether the file at `path` carries one of `marks` (mlpsurgery's signature) in its first 64 KiB, or (`tail`)
+    its last."""
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)
             size = os.fstat(f.fileno()).st_size
-            if size > 1 << 16:
+            if tail and size > 1 << 16:
                 f.seek(max(1 << 16, size - (1 << 16)))
                 head += f.read(1 << 16)
     except OSError:
         return False
-    return sig in head
+    return any(m.encode() in head for m in marks)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,12 +309,7 @@ def clean_leftovers(out: str | Path) -> None:
 
 def _signed(path: Path) -> bool:
     """A file mlpsurgery writes: its signature, or a key's format name, in its first 64 KiB."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError:
-        return False
-    return SIGNATURE.encode() in head or b"mlpsurgery-corelocker-" in head
+    return file_is_ours(path, (SIGNATURE, "mlpsurgery-corelocker-"), tail=False)
 
 
 def _note(message: str) -> None:

@@ -119,25 +119,16 @@ def model_name(spec) -> str:
     return str(spec) if spec else "smollm2 (the default model)"
 
 
-def check_plot_path(path, inputs=(), outputs=()) -> None:
+def check_plot_path(path, inputs=()) -> None:
     """Refuse, before any work, a --plot path that cannot be written or that is, holds or lies inside an
-    input or another output of the command (a plot inside a locked folder would be handed out with it)."""
-    import os
-    from pathlib import Path
-
+    input (its overlap with the command's other outputs, e.g. a plot inside a locked folder that would be handed out
+    with it, is refused for every command by check_paths)."""
     from ..files import check_file_out
 
     if path is None:
         return
     # an old plot mlpsurgery drew at the path is replaced; any other file there is the user's and is refused
     check_file_out(path, overwrite=True, inputs=inputs, what="plot")
-    p = Path(os.path.abspath(Path(path).expanduser()))
-    for other in outputs:
-        if other is None:
-            continue
-        o = Path(os.path.abspath(Path(other).expanduser()))
-        if p == o or o in p.parents or p in o.parents:
-            raise MLPSurgeryError(f"--plot {path} overlaps the output {other}; give the plot a path of its own")
 
 
 def draw(what: str, fn: Callable[[], object]) -> str | None:

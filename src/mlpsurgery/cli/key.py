@@ -34,7 +34,7 @@ def run_lock(args) -> dict:
         return _lock_layerwise(args, cfg)
     # before the passphrase prompt and the model load: a bad --out / --key / --plot costs nothing and writes nothing
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
-    check_plot_path(args.plot, inputs=[args.model, args.data], outputs=[args.out, args.key])
+    check_plot_path(args.plot, inputs=[args.model, args.data])
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
     loaded = _load(args, task=args.task)
     # a plot needs points: with --ratio, --plot measures the utility before and after as --measure does
@@ -96,7 +96,7 @@ def _lock_layerwise(args, cfg) -> dict:
         raise MLPSurgeryError("--layerwise locks the checkpoint's own class (--task auto): drop --task or --layerwise")
     check_layerwise(cfg)
     check_lock_targets(args.out, args.key, args.overwrite, inputs=[args.model])
-    check_plot_path(args.plot, inputs=[args.model, args.data], outputs=[args.out, args.key])
+    check_plot_path(args.plot, inputs=[args.model, args.data])
     folder, source, name = checkpoint_folder(args.model)
     tok = _tokenizer(folder)
     passphrase = passphrase_from_user(confirm=True) if args.encrypt else None
