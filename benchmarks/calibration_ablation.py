@@ -18,23 +18,14 @@ Variants (methods/reconstruct; `fuse(..., calib_data=...)` and `nest(..., calib_
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
-import torch
+import harness
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--md", required=True)
-    ap.add_argument("--plot")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = harness.parser(__doc__, summary=True, json=True, md=True, plot=True, threads=2, required=("json", "md"))
     ap.add_argument("--max-tokens", type=int, default=2048, help="held-out tokens scored per variant")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--recover-steps", type=int, default=240)
@@ -42,11 +33,9 @@ def main() -> None:
     ap.add_argument("--recover-lr", type=float, default=3e-4)
     ap.add_argument("--skip", default="", help="comma-separated groups to skip: ablation,all,size,recovery")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    harness.set_threads(args.threads, tokenizers_parallelism=False)
 
     import mlpsurgery as ms
-    from memory import cpu_name  # (benchmarks/memory.py: the CPU's name)
     from mlpsurgery.methods import nsn
     from mlpsurgery.methods.fusion import FusionConfig, fuse
     from mlpsurgery.methods.reconstruct.distill import distill
@@ -65,8 +54,7 @@ def main() -> None:
         return corpus.blocks("train", length, max_blocks=n, seed=seed)
 
     base = ppl(model)
-    result = {"model": loaded.source, "machine": f"{platform.machine()} {cpu_name()}, {args.threads} threads, "
-              f"torch {torch.__version__}", "layers": layers, "width": args.width, "h": 1536,
+    result = {"model": loaded.source, "machine": harness.machine(), "layers": layers, "width": args.width, "h": 1536,
               "heldout_tokens": args.max_tokens, "original_ppl": base, "rows": [], "sizes": [], "recovery": []}
     skip = set(args.skip.split(","))
 
@@ -143,8 +131,8 @@ def main() -> None:
             print(f"recovery {curve[-1]['steps']:4d} steps {spent:7.1f} s  ppl {curve[-1]['ppl']:.2f}", flush=True)
         result["recovery"] = {"build_seconds": build, "lr": args.recover_lr, "batch": "4 x 128",
                               "chunks_of": args.eval_every, "curve": curve}
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    Path(args.md).write_text(markdown(result) + "\n")
+    harness.write_json(args.json, result)
+    harness.write_md(args.md, markdown(result))
     if args.plot and result["recovery"]:
         plot(result, args.plot)
 
@@ -168,11 +156,9 @@ def markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: str) -> None:
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     curve = r["recovery"]["curve"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([c["seconds"] for c in curve], [c["ppl"] / r["original_ppl"] for c in curve], "o-",

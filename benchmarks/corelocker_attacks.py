@@ -14,20 +14,17 @@ below this line means the locked model gave the attacker nothing beyond its publ
 
 from __future__ import annotations
 
-import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import (FT_BATCH, MAX_LEN, DigitsCNN, cnn_accuracy, cnn_loss, digits, digits_cnn,  # noqa: E402
-                               machine, minilm_r8, r8_splits, write_json)
+import harness
+from corelocker_common import (FT_BATCH, MAX_LEN, DigitsCNN, cnn_accuracy, cnn_loss, digits, digits_cnn,
+                               minilm_r8, r8_splits, write_result)
 
-import mlpsurgery as ms  # noqa: E402
-from mlpsurgery.methods.corelocker import (CoreLockerConfig, attack_finetune, attack_table,  # noqa: E402
+import mlpsurgery as ms
+from mlpsurgery.methods.corelocker import (CoreLockerConfig, attack_finetune, attack_table,
                                            classifier_finetune, classifier_utility, lock_key)
 
 
@@ -42,7 +39,7 @@ def cnn_finetune(xtr, ytr, epochs: int, batch: int = 16):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("model", choices=("minilm", "cnn"))
     p.add_argument("--indicator", default=None, help="lock indicator (minilm: scale, cnn: l1)")
     p.add_argument("--ratio", type=float, default=0.05)
@@ -93,10 +90,10 @@ def main():
     for f in fractions:
         for t in range(args.reference_trials):
             reference.append(attack_finetune(fresh(), make_loss, f, utility, lr=lr, seed=t))
-    result = {"model": args.model, "indicator": indicator, "ratio": args.ratio, "epochs": epochs, "lr": lr,
-              "trials": args.trials, "original": original, "table": table, "from_scratch_reference": reference,
-              "data": data, "machine": machine(), "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0}
-    path = write_json(f"attacks_{args.model}.json", result)
+    path, result = write_result(f"attacks_{args.model}.json", {
+        "model": args.model, "indicator": indicator, "ratio": args.ratio, "epochs": epochs, "lr": lr,
+        "trials": args.trials, "original": original, "table": table, "from_scratch_reference": reference,
+        "data": data}, t0)
     print(f"original {original:.4f}, locked {table['locked']:.4f}")
     for r in table["rows"]:
         print(r["attack"], r["setting"], f"{r['accuracy']:.4f} +- {r['std']:.4f}", f"delta {r['delta']:+.4f}")

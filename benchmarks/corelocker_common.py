@@ -7,28 +7,26 @@ that every benchmark reuses them, and their utility measurements.
 
 from __future__ import annotations
 
-import json
-import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods.corelocker import Utility
 from mlpsurgery.train import FitConfig, classifier_loss, fit, step_rng, trainable
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "corelocker"
+RUNS = harness.ROOT / "runs" / "corelocker"
 MINILM_DIR = RUNS / "minilm-r8"
 CNN_FILE = RUNS / "digits-cnn.safetensors"
 FT_STEPS, FT_BATCH, FT_LR, MAX_LEN = 300, 16, 1e-4, 128
 
 
 def machine() -> str:
-    return (f"{platform.machine()} CPU x{torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return harness.machine("{arch} CPU x{threads} threads, torch {torch}, Python {python}")
 
 
 # ---- MiniLM + R8 ------------------------------------------------------------------------------------
@@ -148,13 +146,32 @@ def digits_cnn_test():
 
 
 def write_json(name: str, obj) -> Path:
-    RUNS.mkdir(parents=True, exist_ok=True)
-    path = RUNS / name
-    path.write_text(json.dumps(obj, indent=2, default=str))
-    return path
+    """A result of these benchmarks, runs/corelocker/NAME."""
+    return harness.write_json(RUNS / name, obj, indent=2, default=str)
+
+
+def write_result(name: str, result: dict, t0: float) -> tuple[Path, dict]:
+    """runs/corelocker/NAME: `result` followed by the machine, the command line and the seconds since t0; its path
+    and the result written."""
+    result = {**result, "machine": machine(), "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0}
+    return write_json(name, result), result
+
+
+# ---- SmolLM2 ---------------------------------------------------------------------------------------
+
+def smollm2_perplexity(max_tokens: int):
+    """SmolLM2-135M (loaded) and its metrics function: {"perplexity": ...} on the first `max_tokens` held-out
+    Persuasion tokens, windows of 512."""
+    from mlpsurgery.methods.corelocker import lm_utility
+
+    loaded = ms.load_model("smollm2")
+    corpus = ms.load_corpus(None, loaded.tokenizer)
+    ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=max_tokens, bos_id=corpus.bos)
+    return loaded, lambda m: {"perplexity": ppl(m)}
 
 
 if __name__ == "__main__":
+    harness.parser(__doc__).parse_args()
     cnn = digits_cnn()
     _, _, xte, yte = digits()
     print("digits CNN test accuracy", cnn_accuracy(xte, yte)(cnn))

@@ -11,22 +11,18 @@ paper's Fig. 6 and Tables 5-6), for each indicator, on the three models; then on
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import RUNS, digits_cnn_test, machine, minilm_r8, r8_splits, write_json  # noqa: E402
-from corelocker_table1 import r8_metrics  # noqa: E402
+import harness
+from corelocker_common import RUNS, digits_cnn_test, minilm_r8, r8_splits, smollm2_perplexity, write_result
+from corelocker_table1 import r8_metrics
 
-import mlpsurgery as ms  # noqa: E402
-from mlpsurgery.methods.corelocker import CoreLockerConfig, Ranking, extracted, lm_utility, unit_groups  # noqa: E402
-from mlpsurgery.report import save_figure  # noqa: E402
+from mlpsurgery.methods.corelocker import CoreLockerConfig, Ranking, extracted, unit_groups
+from mlpsurgery.report import pyplot, save_figure
 
 RATIOS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2)
-IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "corelocker_curve.png"
+IMG = harness.ROOT / "docs" / "img" / "corelocker_curve.png"
 
 
 def curve(model, metrics, cfg: CoreLockerConfig, ratios) -> list[dict]:
@@ -51,18 +47,14 @@ def series_for(name: str) -> list[tuple[str, CoreLockerConfig]]:
 
 
 def plot() -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [("minilm", "accuracy", "MiniLM + R8 head: accuracy (R8 test sample)", 1 / 8),
               ("cnn", "accuracy", "BatchNorm CNN: accuracy (digits test)", 0.1),
               ("smollm2", "perplexity", "SmolLM2-135M: perplexity (held-out Persuasion)", None)]
     have = [p for p in panels if (RUNS / f"curve_{p[0]}.json").exists()]
     fig, axes = plt.subplots(1, len(have), figsize=(5.2 * len(have), 4), squeeze=False)
     for ax, (name, metric, title, chance) in zip(axes[0], have):
-        data = json.loads((RUNS / f"curve_{name}.json").read_text())
+        data = harness.read_json(RUNS / f"curve_{name}.json")
         for label, rows in data["series"].items():
             pts = [(r["ratio"], r[metric]) for r in rows if r["ratio"] > 0]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
@@ -85,7 +77,7 @@ def plot() -> Path:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("model", choices=("minilm", "cnn", "smollm2", "plot"))
     p.add_argument("--sample", type=int, default=600, help="MiniLM: R8 test documents (stratified, seed 0)")
     p.add_argument("--max-tokens", type=int, default=4096, help="SmolLM2: held-out tokens")
@@ -108,23 +100,15 @@ def main():
         metrics = r8_metrics(loaded.tokenizer, test)
         data = f"R8 test, stratified sample of {len(test)} documents (seed 0)"
     else:
-        loaded = ms.load_model("smollm2")
+        loaded, metrics = smollm2_perplexity(args.max_tokens)
         model = loaded.model
-        corpus = ms.load_corpus(None, loaded.tokenizer)
-        ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=args.max_tokens, bos_id=corpus.bos)
-
-        def metrics(m):
-            return {"perplexity": ppl(m)}
-
         data = f"held-out Persuasion, first {args.max_tokens} tokens"
     wanted = None if args.series is None else {s.strip() for s in args.series.split(",")}
     ratios = RATIOS if args.ratios is None else tuple(float(r) for r in args.ratios.split(","))
     series = {label: curve(model, metrics, cfg, ratios) for label, cfg in series_for(args.model)
               if wanted is None or label in wanted}
-    path = write_json(f"curve_{args.model}.json", {"model": args.model, "data": data, "ratios": ratios,
-                                                   "series": series, "machine": machine(),
-                                                   "command": " ".join(sys.argv),
-                                                   "seconds": time.perf_counter() - t0})
+    path, _ = write_result(f"curve_{args.model}.json", {"model": args.model, "data": data, "ratios": ratios,
+                                                         "series": series}, t0)
     print(f"wrote {path}; plot: {plot()}")
 
 

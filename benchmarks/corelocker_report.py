@@ -6,19 +6,14 @@ docs/corelocker.md.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+import harness
+from corelocker_common import RUNS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import RUNS  # noqa: E402
-
-from mlpsurgery.report import human_bytes, table  # noqa: E402
+from mlpsurgery.report import human_bytes, table
 
 
 def load(name: str) -> dict | None:
-    path = RUNS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return harness.read_json(RUNS / f"{name}.json", missing=None)
 
 
 def pct(v: float, std: float | None = None) -> str:
@@ -98,6 +93,7 @@ def target(d: dict) -> str:
 
 
 def main():
+    harness.parser(__doc__).parse_args()
     for name in ("minilm", "cnn", "smollm2"):
         d = load(f"table1_{name}")
         if d:

@@ -13,7 +13,6 @@ original and the restored model.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
@@ -23,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import (MAX_LEN, RUNS, digits_cnn_test, machine, minilm_r8,  # noqa: E402
-                               r8_splits, write_json)
+import harness
+from corelocker_common import (MAX_LEN, RUNS, digits_cnn_test, machine, minilm_r8, r8_splits, smollm2_perplexity,
+                               write_json)
 
-import mlpsurgery as ms  # noqa: E402
-from mlpsurgery.measure.accuracy import predict  # noqa: E402
-from mlpsurgery.methods.corelocker import (CoreLockerConfig, Ranking, extracted, lm_utility, lock_folder,  # noqa: E402
+import mlpsurgery as ms
+from mlpsurgery.measure.accuracy import predict
+from mlpsurgery.methods.corelocker import (CoreLockerConfig, Ranking, extracted, lock_folder,
                                            lock_key, read_key, save_key, tensor_hashes, unit_groups, unlock_folder,
                                            unlock_key)
 
@@ -121,7 +120,7 @@ def cnn_restoration(model, ratio: float, work: Path) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("model", choices=("minilm", "cnn", "smollm2"))
     p.add_argument("--ratio", type=float, default=0.05)
     p.add_argument("--seeds", type=int, default=5, help="random-extraction seeds to average (5)")
@@ -157,13 +156,7 @@ def main():
                                                    ("filter", "scale", (0,))])
             result["restoration"] = cnn_restoration(model, args.ratio, work)
         else:
-            loaded = ms.load_model("smollm2")
-            corpus = ms.load_corpus(None, loaded.tokenizer)
-            ppl = lm_utility(corpus.heldout, block_len=512, max_tokens=args.max_tokens, bos_id=corpus.bos)
-
-            def metrics(m):
-                return {"perplexity": ppl(m)}
-
+            loaded, metrics = smollm2_perplexity(args.max_tokens)
             result["data"] = f"held-out Persuasion, first {args.max_tokens} tokens, windows of 512"
             result["rows"] = rows_for(loaded.model, metrics, args.ratio, tuple(range(min(args.seeds, 3))),
                                       extra_units=[("neuron", "l1", (0,)), ("head", "l1", (0,))])

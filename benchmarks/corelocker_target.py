@@ -9,21 +9,18 @@ Calibration: a stratified 360-image sample of the training images (seed 0); test
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corelocker_common import cnn_accuracy, digits, digits_cnn, machine, write_json  # noqa: E402
+import harness
+from corelocker_common import cnn_accuracy, digits, digits_cnn, write_result
 
-from mlpsurgery.methods.corelocker import CoreLockerConfig, evaluate_at, find_ratio  # noqa: E402
+from mlpsurgery.methods.corelocker import CoreLockerConfig, evaluate_at, find_ratio
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--targets", default="0.9,0.75,0.525,0.3", help="target calibration accuracies")
     p.add_argument("--indicator", default="l1")
     p.add_argument("--unit", default="weight")
@@ -44,9 +41,8 @@ def main():
                      "within_tolerance": search.within_tolerance, "test_accuracy": test_acc,
                      "evaluations": len(search.curve)})
         print(rows[-1], flush=True)
-    path = write_json("target_cnn.json", {"indicator": args.indicator, "unit": args.unit, "tolerance": args.tolerance,
-                                          "rows": rows, "machine": machine(), "command": " ".join(sys.argv),
-                                          "seconds": time.perf_counter() - t0})
+    path, _ = write_result("target_cnn.json", {"indicator": args.indicator, "unit": args.unit,
+                                               "tolerance": args.tolerance, "rows": rows}, t0)
     print(f"wrote {path}")
 
 

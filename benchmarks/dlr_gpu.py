@@ -14,13 +14,13 @@ Ratios are DLR / SwiGLU of the same variant, measured in one run, medians of CUD
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 SHAPES = [  # (d, h, r, depth) as in the issue: depth matches the SwiGLU's parameters
     (4096, 12288, 256, 72),
@@ -33,11 +33,10 @@ DRY_TOKENS = [16, 64]
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, json="runs/dlr/gpu.json")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU to check the script itself")
     ap.add_argument("--tokens", help="comma-separated token counts")
     ap.add_argument("--out", default="runs/dlr/gpu.md", help="the tables (docs/dlr-gpu.md quotes them)")
-    ap.add_argument("--json", default="runs/dlr/gpu.json")
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--deadline", type=float, default=0,
                     help="seconds after the start past which no torch.compile cell is started (0: no limit); the "
@@ -68,7 +67,7 @@ def bench(fn, reps: int = 50) -> float:
     return gpu_common.bench(fn, DEVICE, reps=3 if args.dry_run else reps)
 
 
-START = time.perf_counter()
+PAST_DEADLINE = harness.deadline(args.deadline)
 
 
 def graphed(module, x: torch.Tensor):
@@ -298,17 +297,13 @@ def phase1_throughput(d: int, r: int, depth: int, layers: int, tokens: int, step
 def main():
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (DRY_TOKENS if args.dry_run else TOKENS)
-    machine = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (dry run, Triton interpreter)"
-    import triton
-
+    head = gpu_common.result_head(DEVICE, DTYPE)
     CEILINGS.update(measure_ceilings())
-    res = {"machine": machine, "dtype": str(DTYPE), "torch": torch.__version__, "triton": triton.__version__,
-           "ceilings": dict(CEILINGS), "inference": [], "training": [], "correctness": [], "phase1": None}
+    res = {**head, "ceilings": dict(CEILINGS), "inference": [], "training": [], "correctness": [], "phase1": None}
     print("ceilings", CEILINGS, flush=True)
 
     def save():
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        harness.write_json(args.json, res)
         write_doc(res, Path(args.out) if not args.dry_run else Path(args.json).with_suffix(".md"))
 
     if args.crossover:
@@ -336,7 +331,7 @@ def main():
     save()
     if not args.skip_compile:
         for row in res["inference"]:
-            if args.deadline and time.perf_counter() - START > args.deadline:
+            if PAST_DEADLINE():
                 print("deadline: the remaining torch.compile cells are not run", flush=True)
                 break
             compile_cells(row)
@@ -421,8 +416,7 @@ def write_doc(res: dict, path: Path) -> None:
         lines.append(f"| {c['d']} | {c['r']} | {c['depth']} | {c['T']} | {c['pytorch']:.2e} | "
                      + " | ".join(f(c.get(p), "{:.2e}") for p in dlr_triton.PATHS) + " | "
                      + str(all(c.get(f"all_written_{p}", False) for p in dlr_triton.PATHS)) + " |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    harness.write_md(path, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -16,17 +16,16 @@ cols schedule's atomically summed buffers, since removed from the kernel: docs/d
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+import harness
+
+ap = harness.parser(__doc__, summary=True, json="runs/dlr/tune.json", md="runs/dlr/tune.md")
 ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
-ap.add_argument("--json", default="runs/dlr/tune.json")
-ap.add_argument("--md", default="runs/dlr/tune.md")
 ap.add_argument("--deadline", type=float, default=0, help="seconds after which no further setting is tried")
 ap.add_argument("--defaults-only", action="store_true", help="time the kernel's default settings only (a check)")
 ap.add_argument("--cells", help="comma-separated indices into the list of cells (default: all), e.g. 0 for the "
@@ -42,7 +41,7 @@ from mlpsurgery.kernels import dlr_triton as K  # noqa: E402
 
 DEVICE, DTYPE = gpu_common.device_dtype(args.dry_run)
 CUDA = DEVICE == "cuda"
-START = time.perf_counter()
+PAST_DEADLINE = harness.deadline(args.deadline)
 
 if args.dry_run:
     CELLS = [("cols", 64, 192, 16, 4, 8), ("gemm", 64, 192, 32, 3, 64)]
@@ -107,7 +106,7 @@ def run_cell(cell, res: dict, save) -> None:
         out = torch.empty_like(x)
 
         def attempt(tiles: dict) -> float | None:
-            if args.deadline and time.perf_counter() - START > args.deadline:
+            if PAST_DEADLINE():
                 return None
             entry = {"tiles": tiles}
             row["tried"].append(entry)
@@ -164,24 +163,19 @@ def write_md(res: dict, path: Path) -> None:
                      f"{ms(c.get('launch_floor'))} | {ms(c.get('default_seconds'))} ({c.get('default_ratio', 0):.2f}x)"
                      f" | {ms(c.get('best_seconds'))} ({c.get('best_ratio', 0):.2f}x) | "
                      f"`{json.dumps(c.get('best_tiles'))}` | {len(c['tried'])} | {c.get('max_rel_err', 0):.2e} |")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    harness.write_md(path, "\n".join(lines))
 
 
 def main() -> int:
-    import triton
-
-    res = {"machine": torch.cuda.get_device_name(0) if CUDA else "CPU (dry run, Triton interpreter)",
-           "dtype": str(DTYPE), "torch": torch.__version__, "triton": triton.__version__, "cells": []}
+    res = {**gpu_common.result_head(DEVICE, DTYPE), "cells": []}
 
     def save():
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        harness.write_json(args.json, res)
         write_md(res, Path(args.md))
 
     cells = [CELLS[int(i)] for i in args.cells.split(",")] if args.cells else CELLS
     for cell in cells:
-        if args.deadline and time.perf_counter() - START > args.deadline:
+        if PAST_DEADLINE():
             break
         run_cell(cell, res, save)
     save()

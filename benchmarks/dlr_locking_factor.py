@@ -12,13 +12,11 @@ parameter count; untrained, since cost depends only on the structure) against th
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import time
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.measure.cost import compare_cost, max_batch
 from mlpsurgery.methods.dlr_lock import activation_memory_model, inference_times, locked_like
@@ -28,12 +26,11 @@ from mlpsurgery.report import table
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    cpu = platform.processor() or platform.machine()
-    return f"CPU ({cpu}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return harness.machine("CPU ({processor}), {threads} threads, torch {torch}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default=None, help="MODEL (default SmolLM2-135M)")
     ap.add_argument("--ranks", default="16,64,256")
     ap.add_argument("--batch", type=int, default=2)
@@ -109,10 +106,7 @@ def main() -> None:
           f"budget {args.budget_gib} GiB")
     print(table(rows))
     print("\n" + table(rows, markdown=True))
-    from pathlib import Path
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    harness.write_json(args.out, results, default=str)
 
 
 if __name__ == "__main__":

@@ -49,16 +49,16 @@ One process gets OMP_NUM_THREADS = N and each rank 1, so both use the same cores
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 
 def _objects(text: str) -> list[dict]:
@@ -80,7 +80,7 @@ def run(cmd: list[str], threads: int, tag: str = "", src: str | None = None) -> 
     """The command's JSON objects and wall seconds; PEAKS[tag]: the peak resident memory of its largest process
     over the whole run (the kernel's, through wait4: for torchrun, the largest of its ranks), saving included.
     src: the mlpsurgery source folder to run (PYTHONPATH; default: the installed one)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
+    env = harness.child_env(threads, **({"PYTHONPATH": src} if src else {}))
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -106,6 +106,17 @@ def _max_diff(a: str, b: str) -> float:
         return max((p - q).abs().max().item() for p, q in zip(ma.parameters(), mb.parameters()))
 
 
+def _runs(res: dict, sharded: str = "", before: str = "") -> list[tuple[str, list[dict], float]]:
+    """(label, its processes, wall seconds) of each run in a result: one process, torchrun (its label + `sharded`)
+    and, where --before gave one, the earlier checkout's torchrun (+ `before` in its parentheses)."""
+    runs = [("one process", res["one"], res["one_seconds"]),
+            (f"torchrun, {res['ranks']} ranks{sharded}", res["sharded"], res["sharded_seconds"])]
+    if res.get("before"):
+        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']}{before})", res["before"],
+                     res["before_seconds"]))
+    return runs
+
+
 LOCK = ["--rank", "64", "--calib-blocks", "32", "--block-len", "128", "--phase1-steps", "40", "--phase1-tokens", "256",
         "--phase1-hard-fraction", "0", "--onpolicy-steps", "10", "--phase2-steps", "6", "--phase2-blocks", "16",
         "--phase2-batch", "4", "--eval-tokens", "2048", "--memory-gb", "4", "--no-layerwise"]  # (swapped for --layerwise by --layerwise)
@@ -117,8 +128,7 @@ def _ratio(ppl: dict) -> str:
 
 def render_lock(res: dict) -> str:
     rows = ["| run | process | peak RSS | wall |", "|---|---|---|---|"]
-    for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
-                              (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])):
+    for name, procs, wall in _runs(res):
         for p in procs:
             rows.append(f"| {name} | rank {p['rank']} | {p['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s |")
     a, b = res["report_one"], res["report_sharded"]
@@ -149,12 +159,7 @@ def render_fuse(res: dict) -> str:
     mib = 2 ** 20
     rows = ["| run | process | captured activations | trained params | gradients | AdamW moments | peak RSS | wall |",
             "|---|---|---|---|---|---|---|---|"]
-    runs = [("one process", res["one"], res["one_seconds"]),
-            (f"torchrun, {res['ranks']} ranks", res["sharded"], res["sharded_seconds"])]
-    if res.get("before"):
-        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']})", res["before"],
-                     res["before_seconds"]))
-    for name, procs, wall in runs:
+    for name, procs, wall in _runs(res):
         for p in procs:
             m = p["memory"]
             rows.append(f"| {name} | rank {p['rank']} | {m['captured_bytes'] / mib:.0f} MiB | "
@@ -189,12 +194,7 @@ def render_attack(res: dict) -> str:
     gib, mib = 2 ** 30, 2 ** 20
     procs = ["| run | process | models held between runs | peak RSS after loading | peak RSS, whole run | wall |",
              "|---|---|---|---|---|---|"]
-    runs = [("one process", res["one"], res["one_seconds"]),
-            (f"torchrun, {res['ranks']} ranks (FSDP2)", res["sharded"], res["sharded_seconds"])]
-    if res.get("before"):
-        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']})", res["before"],
-                     res["before_seconds"]))
-    for name, ps, wall in runs:
+    for name, ps, wall in _runs(res, " (FSDP2)"):
         for p in ps:
             shares = p.get("loaded_param_bytes")
             held = ("structure only (each read into shards per run: " + " + ".join(
@@ -227,12 +227,7 @@ def render_phase2(res: dict) -> str:
     gib = 2 ** 30
     rows = ["| run | process | locked model's parameters held after loading | peak RSS after loading both models | "
             "peak RSS, whole run | wall |", "|---|---|---|---|---|---|"]
-    runs = [("one process", res["one"], res["one_seconds"]),
-            (f"torchrun, {res['ranks']} ranks (loaded into shards)", res["sharded"], res["sharded_seconds"])]
-    if res.get("before"):
-        runs.append((f"torchrun, {res['ranks']} ranks, before ({res['before_label']}: each rank loads both whole)",
-                     res["before"], res["before_seconds"]))
-    for name, procs, wall in runs:
+    for name, procs, wall in _runs(res, " (loaded into shards)", ": each rank loads both whole"):
         for p in procs:
             held = f"{p['loaded_param_bytes'] / 2**20:.0f} MiB" if p.get("loaded_param_bytes") else \
                 f"{res['whole_param_bytes'] / 2**20:.0f} MiB (whole)"
@@ -261,8 +256,7 @@ def render(res: dict) -> str:
     mib = 2 ** 20
     rows = ["| run | process | model params | trained params | gradients | AdamW moments | peak RSS before training "
             "| peak RSS in training | wall |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, procs, wall in (("one process", res["one"], res["one_seconds"]),
-                              (f"torchrun, {res['ranks']} ranks (FSDP2)", res["sharded"], res["sharded_seconds"])):
+    for name, procs, wall in _runs(res, " (FSDP2)"):
         for p in procs:
             m = p["memory"]
             rows.append(f"| {name} | rank {p['rank']} | {m['model_param_bytes'] / mib:.0f} MiB | "
@@ -290,16 +284,21 @@ def render(res: dict) -> str:
 def _both(args, common: list[str], work: Path) -> tuple[list[dict], float, list[dict], float]:
     """(one process's JSON objects, its wall seconds, the ranks' JSON objects, their wall seconds)."""
     one, one_s = run([sys.executable, "-m", "mlpsurgery", *common, "--out", str(work / "one")], args.ranks, "one")
-    sharded, sharded_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "sharded")], 1,
-                             "sharded")
+    sharded, sharded_s = _torchrun(args, common, work, "sharded")
     return one, one_s, sharded, sharded_s
+
+
+def _torchrun(args, common: list[str], work: Path, tag: str, src: str | None = None) -> tuple[list[dict], float]:
+    """`mlpsurgery COMMON --out WORK/TAG` under torchrun on args.ranks ranks of one thread each (src: run that
+    mlpsurgery source folder)."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+                "-m", "mlpsurgery", *common, "--out", str(work / tag)], 1, tag, src=src)
 
 
 def _machine() -> dict:
     import torch
 
-    return {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+    return {"machine": harness.machine("{arch}, {cores} cores"), "torch": torch.__version__,
             "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}  # glibc's allocator settings
 
 
@@ -338,9 +337,7 @@ def _before(args, common: list[str], work: Path) -> dict:
     and the largest weight difference of its folder from this checkout's torchrun folder."""
     if not args.before:
         return {}
-    before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
-                           "before", src=args.before)
+    before, before_s = _torchrun(args, common, work, "before", src=args.before)
     return {"before": sorted(({"rank": o.get("rank", 0), "peak_rss_bytes": o["peak_rss_bytes"],
                                "memory": o["tuning"]["memory"]} for o in before), key=lambda p: p["rank"]),
             "before_seconds": before_s, "before_label": args.before_label or args.before,
@@ -355,7 +352,7 @@ def bench_attack(args, work: Path) -> dict:
     main0 = next(o for o in sharded if "out" in o)
 
     def last(out: str) -> dict:  # each run's training loss at its last step, from the per-run files
-        rows = json.loads((work / out / "suite.json").read_text())["attacks"]
+        rows = harness.read_json(work / out / "suite.json")["attacks"]
         return {r["name"]: r["history"][-1]["loss"] for r in rows}
 
     procs = lambda objs: sorted(({k: o.get(k, 0 if k == "rank" else None) for k in (  # noqa: E731
@@ -366,9 +363,7 @@ def bench_attack(args, work: Path) -> dict:
            "table_one": one[0]["table"], "table_sharded": main0["table"],
            "last_loss_one": last("one"), "last_loss_sharded": last("sharded")}
     if args.before:  # the torchrun command of an earlier checkout (each rank held both models whole)
-        before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
-                               "before", src=args.before)
+        before, before_s = _torchrun(args, common, work, "before", src=args.before)
         res.update(before=procs(before), before_seconds=before_s, before_label=args.before_label or args.before,
                    last_loss_before=last("before"))
     return res
@@ -400,9 +395,7 @@ def bench_phase2(args, work: Path) -> dict:
            "max_weight_diff": _max_diff(str(work / "one"), str(work / "sharded"))}
     del whole
     if args.before:
-        before, before_s = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                str(args.ranks), "-m", "mlpsurgery", *common, "--out", str(work / "before")], 1,
-                               "before", src=args.before)
+        before, before_s = _torchrun(args, common, work, "before", src=args.before)
         res.update(before=procs(before), before_seconds=before_s, before_label=args.before_label or args.before)
     return res
 
@@ -442,7 +435,7 @@ def bench_nest(args, work: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, summary=True, json=True, md=True)
     ap.add_argument("--what", choices=["nest", "lock-dlr", "phase2-only", "fuse", "attack"], default="nest")
     ap.add_argument("--locked", help="--what attack / phase2-only: a folder written by `mlpsurgery lock dlr` (for "
                                      "phase2-only with --phase2-steps 0; default: one made at a small budget)")
@@ -462,12 +455,10 @@ def main() -> None:
     ap.add_argument("--data", help="--what nest: passed to the command (default: its own)")
     ap.add_argument("--layerwise", action="store_true", help="--what fuse / lock-dlr: both runs layer by layer "
                                                              "(--layerwise; lock-dlr's default is --no-layerwise)")
-    ap.add_argument("--json")
-    ap.add_argument("--md")
     ap.add_argument("--render", help="print the markdown of a JSON written before")
     args = ap.parse_args()
     if args.render:
-        print(render(json.loads(Path(args.render).read_text())), end="")
+        print(render(harness.read_json(args.render)), end="")
         return
     work = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     try:
@@ -476,10 +467,10 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:  # (first: a rendering that fails loses no measurement)
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        harness.write_json(args.json, res, indent=2)
     text = render(res)
     if args.md:
-        Path(args.md).write_text(text)
+        harness.write_md(args.md, text)
     print(text, end="")
 
 

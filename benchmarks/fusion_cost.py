@@ -13,12 +13,11 @@ does not depend on how busy the machine is.
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.measure.cost import compare_cost, flops_per_token
 from mlpsurgery.methods.fusion import FusionConfig, fuse
@@ -31,7 +30,7 @@ def classifier() -> torch.nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
@@ -39,7 +38,7 @@ def main() -> None:
     ref = classifier()
     batch = torch.randint(0, ref.config.vocab_size, (args.batch, args.seq_len),
                           generator=torch.Generator().manual_seed(0))
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
+    print(f"machine: {harness.machine('{arch}, {cores} CPUs, {threads} torch threads')}, "
           f"load average {os.getloadavg()[0]:.1f} at start; batch {args.batch} x {args.seq_len}")
     print("| compressed model (layers 2-5) | params | train step (s): original / compressed = ratio | "
           "train step peak memory: original / compressed = ratio | inference forward (s) ratio | "

@@ -23,22 +23,21 @@ runs and resumes an interrupted one from its checkpoint (runs/fusion_ckpt/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.data import Document, read_labelled, tokenize_corpus
 from mlpsurgery.measure.accuracy import accuracy
 from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse
 from mlpsurgery.train import FitConfig, classifier_loss, fit, trainable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 TWEETS = ROOT.parent / "shared" / "data" / "labelled" / "election-tweets-2016.tab"
 VARIANTS = ("original",) + METHODS + ("fusion+tune",)
 
@@ -93,9 +92,7 @@ def one_run(args, dataset: str, method: str, width: int, seed: int, train, test)
 
 
 def run(args) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    rows = harness.read_jsonl(args.out)
     done = {(r["dataset"], r["method"], r["width"], r["seed"]) for r in rows}
     train, test = datasets(args.dataset, args.n_test)
     for method in args.methods.split(","):
@@ -109,8 +106,7 @@ def run(args) -> None:
                     continue
                 row = one_run(args, args.dataset, method, width, seed, train, test)
                 done.add(key)
-                with out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                harness.append_jsonl(args.out, row)
                 print(json.dumps({k: row[k] for k in ("dataset", "method", "width", "seed", "accuracy",
                                                       "train_seconds")}), flush=True)
 
@@ -120,7 +116,7 @@ def _ms(xs: list[float]) -> str:
 
 
 def report(args) -> None:
-    rows = [json.loads(x) for x in Path(args.out).read_text().splitlines()]
+    rows = harness.read_jsonl(args.out)
     names = {"r8": "Reuters R8", "tweets": "election tweets"}
     sets = [d for d in ("r8", "tweets") if any(r["dataset"] == d for r in rows)]
     print("| method | " + " | ".join(f"{names[d]} accuracy (%)" for d in sets) + " |")
@@ -165,11 +161,9 @@ def report(args) -> None:
 
 
 def _plot_widths(rows, widths) -> None:
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, color in (("fusion", "tab:red"), ("sketch", "tab:gray")):
         pts = [(w, [r["accuracy"] for r in rows if r["dataset"] == "r8" and r["method"] == m and r["width"] == w])
@@ -192,7 +186,7 @@ def _plot_widths(rows, widths) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--dataset", choices=("r8", "tweets"), default="r8")
     p.add_argument("--methods", default=",".join(VARIANTS))
     p.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[384])

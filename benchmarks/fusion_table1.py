@@ -22,33 +22,27 @@ Results go to runs/fusion_table1.jsonl (one line per method and seed; a rerun sk
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
-import torch
-
+import harness
 import mlpsurgery as ms
 from mlpsurgery.measure.ntk import adam_ntk, mlp_ntk_error, output_error
 from mlpsurgery.methods.fusion import METHODS, FusionConfig, fuse
 from mlpsurgery.sites import parse_layers
 
 DETERMINISTIC = ("svd", "magnitude", "neuron")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return harness.machine("{arch}, {threads} torch threads, torch {torch}")
 
 
 def run(args) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["method"], r["seed"]) for r in map(json.loads, out.read_text().splitlines())} if out.exists() else set()
+    done = {(r["method"], r["seed"]) for r in harness.read_jsonl(args.out)}
     loaded = ms.load_model("minilm")
     ref = loaded.model
     ids = ms.text_blocks(None, loaded.tokenizer, block_len=args.block_len, split="heldout", max_blocks=args.n, seed=0)
@@ -83,8 +77,7 @@ def run(args) -> None:
                    "final_hidden_error_rel": err["final_hidden_error_rel"],
                    "mlp_weights_kept": sum(s["nonzero_after"] for s in rep["sites"]),
                    "compress_seconds": fuse_s, "reference_ntk_seconds": ref_seconds, "machine": machine()}
-            with out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            harness.append_jsonl(args.out, row)
             print(json.dumps({k: row[k] for k in ("method", "seed", "mlp_ntk_error_rel", "ntk_error_rel",
                                                   "output_error_rel")}), flush=True)
 
@@ -96,7 +89,7 @@ def mean_std(xs: list[float]) -> str:
 
 
 def report(args) -> None:
-    rows = [json.loads(line) for line in Path(args.out).read_text().splitlines()]
+    rows = harness.read_jsonl(args.out)
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     methods += sorted({r["method"] for r in rows} - set(methods))  # the calibrated ones ("fusion+calib")
     by = {m: [r for r in rows if r["method"] == m] for m in methods}
@@ -120,10 +113,9 @@ def report(args) -> None:
     print(f"\nn = {r0['n']} blocks x {r0['block_len']} tokens (whole-model kernel: first {r0['n_model']}), layers "
           f"{r0['layers']}, width {r0['width']}; ||K_original||_F (whole model) = {r0['ntk_ref_norm']:.6g}; "
           f"{r0['machine']}")
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     order = sorted(methods, key=lambda m: statistics.fmean(r["mlp_ntk_error_rel"] for r in by[m]))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -145,7 +137,7 @@ def report(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--width", type=int, default=384)

@@ -1,16 +1,15 @@
 """What the GPU benchmarks of the DLR kernel share (`dlr_gpu.py`, `dlr_gpu_tune.py`): the device and dtype of a
-run, timing (CUDA: medians of triton.testing.do_bench; CPU dry runs: medians of wall-clock calls), CUDA-graph
-capture, and the modules they time -- a trained-looking DLR-Net and the SwiGLU it replaces.
+run and the head of its result, timing (CUDA: medians of triton.testing.do_bench; CPU dry runs: medians of
+wall-clock calls, harness.median_seconds), CUDA-graph capture, and the modules they time -- a trained-looking DLR-Net
+and the SwiGLU it replaces.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 from torch import nn
 
+import harness
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.modules.dlr import DLRNet
 
@@ -29,13 +28,15 @@ def bench(fn, device: str, reps: int = 50) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return harness.median_seconds(fn, reps)
+
+
+def result_head(device: str, dtype: torch.dtype) -> dict:
+    """What every result of these benchmarks starts with: the card (or the CPU of a dry run), dtype and versions."""
+    import triton
+
+    return {"machine": torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run, Triton interpreter)",
+            "dtype": str(dtype), "torch": torch.__version__, "triton": triton.__version__}
 
 
 def graphed(fn, warmup: int = 3):

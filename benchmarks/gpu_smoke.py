@@ -16,10 +16,8 @@ Exit status 1 when a command fails or a comparison is outside its tolerance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+import harness
 
 BF16 = 5e-2  # relative logits difference two bf16 runs of one model may show (accumulation order, rounding)
 TRAINED = 0.25  # after training steps on two devices
@@ -90,7 +90,7 @@ def commands(m: Path, w: Path, width: int) -> list[tuple[str, list[str], str | N
 
 def start(argv: list[str], device: str, threads: int) -> Future:
     """The command running in a thread of its own; its result (exit status, its own wall time, log tail)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = harness.child_env(threads)
     cmd = [sys.executable, "-m", "mlpsurgery", *argv, "--device", device, "--dtype", "bfloat16", "--json", "--quiet"]
 
     def run():
@@ -147,7 +147,7 @@ def restores(original: Path, unlocked: Path) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, summary=True, json=True, md=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--params", type=float, default=5e8, help="parameters of the synthetic llama (5e8)")
     ap.add_argument("--d", type=int, help="its width (default: by size, as write_synthetic chooses)")
@@ -158,8 +158,6 @@ def main() -> int:
                                    "rank read what lock key, fuse neuron and nest wrote: name those too")
     ap.add_argument("--deadline", type=float, default=0,
                     help="seconds after which no further command is started (0: none); the tables are still written")
-    ap.add_argument("--json")
-    ap.add_argument("--md")
     args = ap.parse_args()
 
     from mlpsurgery.tiny import byte_tokenizer, write_synthetic
@@ -177,11 +175,11 @@ def main() -> int:
         wanted = set(args.only.split(",")) if args.only else None
         runs = (("ref", "cpu"), ("dev", args.device))  # each in a work folder of its own
         todo = {key: commands(model, root / key, h // 2) for key, _ in runs}
-        t_start = time.perf_counter()
+        past_deadline = harness.deadline(args.deadline)
         for j, (name, _, out, tol) in enumerate(todo["ref"]):
             if wanted and name not in wanted:
                 continue
-            if args.deadline and time.perf_counter() - t_start > args.deadline:
+            if past_deadline():
                 print(f"deadline: {name} and the commands after it not run", flush=True)
                 break
             row = {"command": name, "tolerance": tol}
@@ -217,13 +215,13 @@ def main() -> int:
     import mlpsurgery
 
     res = {"device": args.device, "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda")
-           and torch.cuda.is_available() else platform.processor() or platform.machine(),
+           and torch.cuda.is_available() else harness.machine("{processor}"),
            "params": n, "torch": torch.__version__, "mlpsurgery": mlpsurgery.__version__, "rows": rows}
     md = render(res)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        harness.write_json(args.json, res)
     if args.md:
-        Path(args.md).write_text(md)
+        harness.write_md(args.md, md)
     print(md, end="")
     return 1 if failed else 0
 

@@ -11,29 +11,25 @@ about 10 minutes per pass here, three passes with --agreement). The r8 task scor
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+import harness
 from mlpsurgery.data import Document, read_corpus
 from mlpsurgery.measure import lmeval as L
 from mlpsurgery.models import load_model
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__, summary=True, threads=2)
     ap.add_argument("--chars", type=int, default=40000)
     ap.add_argument("--r8-limit", type=int, default=80)
     ap.add_argument("--max-length", type=int, default=511)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     loaded = load_model("smollm2")
     novel = next(d for d in read_corpus("austen") if d.name == "austen_persuasion")
     cut = novel.text.rfind("\n\n", 0, args.chars)
@@ -46,17 +42,15 @@ def main(argv=None) -> int:
     r8 = L.evaluate(loaded.model, loaded.tokenizer, [L.R8_TASK], limit=args.r8_limit, max_length=args.max_length,
                     progress=True)
     res = {
-        "model": "SmolLM2-135M-Instruct", "machine": f"{platform.machine()} CPU, {args.threads} threads",
+        "model": "SmolLM2-135M-Instruct", "machine": harness.machine("{arch} CPU, {threads} threads"),
         "torch": torch.__version__, "corpus_chars": len(docs[0].text),
         "corpus": corpus["results"]["results"][L.CORPUS_TASK], "corpus_seconds": corpus["seconds"],
         "agreement": agreement,
         "r8": r8["results"]["results"][L.R8_TASK], "r8_limit": args.r8_limit, "r8_seconds": r8["seconds"],
         "settings": corpus["settings"], "seconds": time.perf_counter() - t0,
     }
-    text = json.dumps(res, indent=1, default=str)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        harness.write_json(args.out, res, default=str)
     a = agreement
     print(f"| corpus: opening of Persuasion, {a['lm_eval']['tokens']} tokens | lm-eval token perplexity "
           f"{a['lm_eval']['token_perplexity']:.4f} | matched perplexity() {a['matched']['token_perplexity']:.4f} "

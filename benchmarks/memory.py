@@ -17,7 +17,6 @@ Threads are pinned (OMP_NUM_THREADS=2) so that runs are comparable; the numbers 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,7 +28,10 @@ import threading
 import time
 from pathlib import Path
 
+import harness
+
 EXE = [sys.executable, "-m", "mlpsurgery"]
+cpu_name = harness.cpu_name  # (`from memory import cpu_name` keeps working)
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -96,17 +98,6 @@ def write_synthetic_child(folder: str, n_params: float, env: dict | None = None)
     out = subprocess.run([sys.executable, "-c", code, folder, str(n_params)], env=env, check=True,
                          capture_output=True, text=True).stdout
     return tuple(json.loads(out))
-
-
-def cpu_name() -> str:
-    """The CPU's model name, and whether it has bfloat16 instructions (without them bfloat16 matmuls are slow)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
-    bf16 = any(f in info for f in ("avx512_bf16", "amx_bf16"))
-    return f"{name}, {'with' if bf16 else 'no'} bfloat16 instructions"
 
 
 DLR_SMALL = ["--calib-blocks", "16", "--block-len", "128", "--phase1-steps", "4", "--onpolicy-steps", "2",
@@ -213,7 +204,7 @@ def render(result: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, json=True, md=True)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--synthetic", type=float, metavar="N",
                    help="instead of --model: a random-weight llama of about N parameters (e.g. 2e9), bfloat16, written "
@@ -223,14 +214,12 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated labels' first words to run (e.g. lock,unlock)")
     p.add_argument("--match", help="comma-separated: run only the labels holding one of these (e.g. layerwise)")
     p.add_argument("--skip", help="comma-separated: leave out the labels holding one of these (e.g. tune-data)")
-    p.add_argument("--json", dest="json_out")
-    p.add_argument("--md")
     p.add_argument("--render", metavar="JSON", help="only write --md from a saved --json result")
     args = p.parse_args()
     if args.render:
-        Path(args.md).write_text(render(json.loads(Path(args.render).read_text())))
+        harness.write_md(args.md, render(harness.read_json(args.render)))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    env = harness.child_env(2, MKL_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
     work = Path(tempfile.mkdtemp(prefix="mlpsurgery-memory-"))
     model, fuse_method, shown = args.model, "fusion", args.model
     rows = []
@@ -240,10 +229,10 @@ def main() -> None:
         if not head:
             return
         result = {**head, "rows": rows}
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+        if args.json:
+            harness.write_json(args.json, result)
         if args.md:
-            Path(args.md).write_text(render(result))
+            harness.write_md(args.md, render(result))
 
     try:  # the temporary folder (and a synthetic model in it) is removed however the run ends
         if args.synthetic:
@@ -260,7 +249,7 @@ def main() -> None:
         n_params = info["params"]["total"]
         width = info["mlp_inner_width"] // 2 if args.synthetic else 768
         base, _, _, _, base_anon = peak_rss([sys.executable, "-c", "import torch, transformers, mlpsurgery.cli"], env)
-        machine = f"{platform.machine()} {os.cpu_count()} cores ({cpu_name()}), {platform.platform()}"
+        machine = harness.machine("{arch} {cores} cores ({cpu_name}), {platform}")
         head.update({"model": shown, "parameters": n_params, "baseline_rss_bytes": base,
                      "baseline_anon_bytes": base_anon, "machine": machine, "python": platform.python_version()})
         for dtype in args.dtypes.split(","):

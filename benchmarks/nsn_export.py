@@ -15,31 +15,22 @@ Timings need a quiet machine: run it under the exclusive lock.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods import nsn
 from mlpsurgery.report import human_bytes, table
 
 
 def forward_seconds(model, batch, repeats: int) -> float:
-    times = []
+    """Median seconds of an inference forward, after one warm-up."""
     with torch.no_grad():
-        model(input_ids=batch)  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(input_ids=batch)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return harness.median_seconds(lambda: model(input_ids=batch), repeats)
 
 
 def output(model, batch) -> torch.Tensor:
@@ -53,12 +44,11 @@ def folder_bytes(path: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, print_json=True)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--budgets", default="1.0,0.75,0.5,0.25")
     ap.add_argument("--batch", default="4x128", help="BxT tokens per forward")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     B, T = (int(x) for x in args.batch.split("x"))
     loaded = ms.load_model(args.model)
@@ -85,14 +75,12 @@ def main() -> None:
             row["low-rank bytes"] = round(folder_bytes(Path(f"{tmp}/low{budget}")) / base["bytes"], 3)
             row["max abs output diff, low-rank vs nested"] = f"{diff:.1e}"
             rows.append(row)
-    out = {"model": loaded.source, "batch": [B, T], "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-           f"torch {torch.__version__}", "original": {**base, "bytes_h": human_bytes(base["bytes"])}, "rows": rows}
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"{out['model']}: original {base['params']:,} parameters, {human_bytes(base['bytes'])}, forward "
-              f"{base['forward_s'] * 1000:.0f} ms on batch {B}x{T} ({out['machine']})")
-        print(table(rows, markdown=True))
+    out = {"model": loaded.source, "batch": [B, T],
+           "machine": harness.machine("{arch}, {threads} threads, torch {torch}"),
+           "original": {**base, "bytes_h": human_bytes(base["bytes"])}, "rows": rows}
+    harness.print_result(out, args.json, f"{out['model']}: original {base['params']:,} parameters, "
+                         f"{human_bytes(base['bytes'])}, forward {base['forward_s'] * 1000:.0f} ms on batch {B}x{T} "
+                         f"({out['machine']})\n" + table(rows, markdown=True), indent=2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Embeddings are cached under --work (runs/nsn/fig4). Plots go to docs/img/nsn_fig
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -32,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods import nsn
 from mlpsurgery.modules.nested import NestedLinear
@@ -84,7 +84,7 @@ def width_for(r: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, print_json=True)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -92,7 +92,6 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--work", default="runs/nsn/fig4")
     ap.add_argument("--img", default="docs/img")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work, img = Path(args.work), Path(args.img)
     work.mkdir(parents=True, exist_ok=True)
@@ -217,7 +216,7 @@ def main() -> None:
     summary = {"fig4": fig4_table, "table1": table1, "log_var_mean": mean_lv, "containment": contain.tolist(),
                "interpolation": interp, "curve": curve, "embedding_seconds": t_embed,
                "training_seconds": time.perf_counter() - t1, "seconds": seconds, "args": vars(args)}
-    (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    harness.write_json(work / "summary.json", summary, indent=2, default=str)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return

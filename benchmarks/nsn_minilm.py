@@ -21,13 +21,13 @@ run resumes. Writes docs/img/nsn_minilm_frontier.png and prints the table (JSON 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods import nsn
 from mlpsurgery.report import table
@@ -43,7 +43,7 @@ def classifier(num_labels: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, plot="docs/img/nsn_minilm_frontier.png", print_json=True)
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=128)
@@ -54,8 +54,6 @@ def main() -> None:
     ap.add_argument("--posthoc-steps", type=int, default=100)
     ap.add_argument("--posthoc-lr", type=float, default=3e-5)
     ap.add_argument("--work", default="runs/nsn/minilm")
-    ap.add_argument("--plot", default="docs/img/nsn_minilm_frontier.png")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -69,11 +67,11 @@ def main() -> None:
     def phase(name, run):
         path = work / f"{name}.json"
         if path.exists():
-            return json.loads(path.read_text())
+            return harness.read_json(path)
         t0 = time.perf_counter()
         out = run()
         out["seconds"] = time.perf_counter() - t0
-        path.write_text(json.dumps(out, indent=2))
+        harness.write_json(path, out, indent=2)
         return out
 
     def run_dense():

@@ -17,16 +17,15 @@ Run it on a quiet machine (it takes the lock exclusively):
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 # label: (mode, parts, keep X of 12, attn keep or None)
 CONFIGS = {
@@ -51,14 +50,11 @@ def run(label: str, spec, args, workdir: Path) -> dict:
         cmd += ["--attn-keep", str(attn_keep)]
     shown = " ".join(shlex.quote(c) for c in cmd).replace(sys.executable, "python")
     print(f"{label}: {shown}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     t0 = time.time()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, env=harness.child_env(1, src=True), capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"{label} failed:\n{r.stderr[-4000:]}")
-    extra = json.loads((out / "surgery.json").read_text())["extra"]
+    extra = harness.read_json(out / "surgery.json")["extra"]
     shutil.rmtree(out, ignore_errors=True)
     rounds = -(-args.steps // args.interval)
     ranks = sorted(extra["twist_ranks"], key=lambda s: s["rank"])
@@ -70,7 +66,7 @@ def run(label: str, spec, args, workdir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--world", type=int, default=2, choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--interval", type=int, default=15)
@@ -82,23 +78,22 @@ def main() -> None:
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"world{args.world}.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
+    results = harness.read_json(path, missing={})
     for label, spec in CONFIGS[args.world].items():
         if args.only and label != "DDP" and label not in args.only:
             continue
         if label not in results:
             results[label] = run(label, spec, args, work)
-            results[label]["machine"] = f"{platform.machine()}, {os.cpu_count()} CPU cores, torch gloo"
-            path.write_text(json.dumps(results, indent=1))
+            results[label]["machine"] = harness.machine("{arch}, {cores} CPU cores, torch gloo")
+            harness.write_json(path, results)
             print(json.dumps({k: v for k, v in results[label].items() if k != "ranks"}), flush=True)
     report(results, args)
 
 
 def report(results: dict, args) -> None:
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ddp = results["DDP"]
     mib = 1024 ** 2
@@ -113,7 +108,7 @@ def report(results: dict, args) -> None:
                      f"{r['ranks'][0]['peak_rss_bytes'] / mib:.0f} | {r['bytes_per_round'][1] / mib:.1f} | "
                      f"{r['bytes_per_round'][1] / ddp['bytes_per_round'][1]:.3f} |")
     text = "\n".join(lines)
-    (Path(args.out) / f"world{args.world}.md").write_text(text + "\n")
+    harness.write_md(Path(args.out) / f"world{args.world}.md", text)
     print(text)
     labels = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))

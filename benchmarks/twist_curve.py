@@ -21,27 +21,20 @@ Resumable: the TwIST run checkpoints every round in OUT/train, every evaluation 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods.pruning import block_fisher, calibrated_prune, fisher_subnet, layer_moments
 from mlpsurgery.methods.twist import TwISTConfig, checkpoint, make_layout, materialize, twist_extract, twist_train
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twist_table1 import Cache  # noqa: E402  (results keyed by name, saved after every entry)
+from twist_table1 import Cache  # (results keyed by name, saved after every entry)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, json=True, plot=True, threads=2)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", default="runs/twist-curve")
     ap.add_argument("--steps", type=int, default=270, help="batches per worker (270: 3x the 90 of docs/twist.md)")
@@ -52,11 +45,8 @@ def main() -> None:
     ap.add_argument("--block-len", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=12, help="R: MLP chunks per layer (12); kappa = X / R")
     ap.add_argument("--shared", type=int, default=2, help="first and last layers every subnet holds whole (2)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--plot")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     R = args.blocks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,24 +116,23 @@ def main() -> None:
         cache.data.setdefault("history", {})[str(rec["step"])] = {"loss": rec["loss"], "time_s": rec["time_s"]}
         if rec["round"] % args.every == 0 or rec["round"] == cfg.rounds:
             evaluate(rec["step"], model)
-        cache.path.write_text(json.dumps(cache.data, indent=1))
+        harness.write_json(cache.path, cache.data)
 
     res = twist_train(model, blocks, cfg, mode="masked", checkpoint_dir=ckpt, progress=True, callback=on_round)
     print(f"trained {res.steps} batches per worker in {res.seconds:.0f} s ({time.time() - t0:.0f} s this run)")
     result = {"model": args.model, "config": {**asdict(cfg), "layers": layers}, "train_seconds": res.seconds,
-              "machine": f"{platform.machine()} CPU, {args.threads} threads, torch {torch.__version__}",
+              "machine": harness.machine("{arch} CPU, {threads} threads, torch {torch}"),
               "results": cache.data}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    if args.json:
+        harness.write_json(args.json, result)
     if args.plot:
         plot(result, args, Path(args.plot))
 
 
 def plot(result: dict, args, path: Path) -> None:
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     data, block_len, R = result["results"], args.block_len, args.blocks
     steps = sorted({int(k.split("/")[1]) for k in data if k.startswith("twist/")})

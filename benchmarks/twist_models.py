@@ -11,14 +11,14 @@ interrupted one resumes from its checkpoint when the script is run again.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 # name: mode, parts, keep X of R = 12; optional: lr (default --lr), start (a trained model to continue from,
 # with its own seed so that blueprints and batches are new), steps (default --steps)
@@ -49,7 +49,7 @@ def command(name: str, args) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--out", default="runs/twist/models")
     ap.add_argument("--only", nargs="*", choices=list(RUNS), help="train only these")
     ap.add_argument("--workers", type=int, default=3)
@@ -62,9 +62,7 @@ def main() -> None:
     ap.add_argument("--img", default="docs/img", help="where the training-loss plot goes")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    env = harness.child_env(os.environ.get("OMP_NUM_THREADS", "1"), src=True)
     for name in args.only or RUNS:
         folder = Path(args.out) / name
         if (folder / "surgery.json").exists():
@@ -86,27 +84,26 @@ def main() -> None:
         if r.returncode != 0:
             print(r.stderr[-4000:], file=sys.stderr)
             sys.exit(f"{name} failed (exit {r.returncode}); rerun to resume from its checkpoint")
-        extra = json.loads((folder / "surgery.json").read_text()).get("extra", {})
+        extra = harness.read_json(folder / "surgery.json").get("extra", {})
         history = extra.get("twist_history", [])
         summary = {"name": name, "command": shown, "wall_s": time.time() - t0, "history": history,
                    "ranks": extra.get("twist_ranks", [])}
-        (Path(args.out) / f"{name}.json").write_text(json.dumps(summary, indent=2))
+        harness.write_json(Path(args.out) / f"{name}.json", summary, indent=2)
         print(f"{name}: final loss {history[-1]['loss']:.4f}, {summary['wall_s']:.0f} s", flush=True)
     plot(Path(args.out), Path(args.img))
 
 
 def plot(out: Path, img: Path) -> None:
     """Training loss per round (mean over workers' batches; TwIST: of the subnets being trained)."""
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name in RUNS:
         path = out / f"{name}.json"
         if path.exists():
-            h = json.loads(path.read_text())["history"]
+            h = harness.read_json(path)["history"]
             ax.plot([r["step"] for r in h], [r["loss"] for r in h], marker="o",
                     label="data parallel (full model)" if name == "dp" else f"TwIST {name} (its subnets)")
     ax.set_xlabel("batches per worker")

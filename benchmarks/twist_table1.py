@@ -15,15 +15,14 @@ Perplexity: the first windows of 512 tokens of Persuasion (held out) until `--to
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+import harness
 import mlpsurgery as ms
 from mlpsurgery.methods.pruning import (block_fisher, calibrated_prune, fisher_subnet, layer_moments,
                                         magnitude_prune)
@@ -49,19 +48,19 @@ class Cache:
 
     def __init__(self, path: Path):
         self.path = path
-        self.data = json.loads(path.read_text()) if path.exists() else {}
+        self.data = harness.read_json(path, missing={})
 
     def get(self, key: str, fn):
         if key not in self.data:
             t0 = time.time()
             self.data[key] = {**fn(), "seconds": time.time() - t0}
-            self.path.write_text(json.dumps(self.data, indent=1))
+            harness.write_json(self.path, self.data)
             print(f"{key}: {self.data[key]}", flush=True)
         return self.data[key]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--models", default="runs/twist/models")
     ap.add_argument("--out", default="runs/twist/eval")
     ap.add_argument("--img", default="docs/img")
@@ -194,10 +193,9 @@ def main() -> None:
 
 
 def report(data: dict, args, models: Path) -> None:
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     img = Path(args.img)
     img.mkdir(parents=True, exist_ok=True)
@@ -283,7 +281,7 @@ def report(data: dict, args, models: Path) -> None:
             v = torch.tensor(spread[g])
             lines.append(f"| {g[0]} | {g[1][3:]} | {len(v)} | {v.mean():.3f} | {v.std():.3f} | {v.min():.3f} | "
                          f"{v.max():.3f} |")
-    (out / "tables.md").write_text("\n".join(lines) + "\n")
+    harness.write_md(out / "tables.md", "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -5,15 +5,12 @@ A capture of SmolLM2's shape (30 layers, d = 576, bfloat16, chunks of 8 blocks x
 temporary folder with random values; each way of reading it runs in a process of its own, whose peak RSS is the
 kernel's (os.wait4), beside an interpreter that only imports the same modules.
 
-    python benchmarks/dlr_capture_read.py [--chunks 16] [--json docs/results/dlr-capture-read.json]
+    python benchmarks/notes/dlr_capture_read.py [--chunks 16] [--json docs/results/dlr-capture-read.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -21,6 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 LAYERS, D, TOKENS = 30, 576, 2048
 
@@ -55,9 +55,8 @@ def peak(args: list[str]) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, json=True)
     p.add_argument("--chunks", type=int, default=16)
-    p.add_argument("--json", dest="json_out")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="dlr-capture-") as tmp:
@@ -72,13 +71,13 @@ def main() -> None:
     result = {"set_bytes": set_bytes, "baseline_rss_bytes": base, "peak_rss_bytes": rows,
               "excess_over_set": {h: round((r - base) / set_bytes, 2) for h, r in rows.items()},
               "shape": {"layers": LAYERS, "d": D, "chunks": args.chunks, "tokens_per_chunk": TOKENS},
-              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}"}
+              "machine": harness.machine("{arch} {cores} cores, {platform}")}
     print(f"captured set {set_bytes / gib:.2f} GiB (x and y of {LAYERS} layers, {args.chunks * TOKENS} tokens, "
           f"bfloat16); interpreter {base / gib:.2f} GiB")
     for h, r in rows.items():
         print(f"  {h:13s} peak {r / gib:5.2f} GiB = baseline + {(r - base) / set_bytes:.2f} x the set")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        harness.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How much of a DLR-Lock phase-1 perplexity gap a few layers account for: held-out perplexity with every
 phase-1 DLR-Net installed, and with the original MLP kept in chosen layers (the rest locked).
 
-    python benchmarks/dlr_keep_original.py runs/dlr/work-r64 --keep none 11,28 [--model smollm2] [--tokens 4096]
+    python benchmarks/notes/dlr_keep_original.py runs/dlr/work-r64 --keep none 11,28 [--model smollm2] [--tokens 4096]
 
 WORKDIR is a `mlpsurgery lock dlr --keep-work` folder with a finished phase 1; each value of --keep is
 `none` or a comma-separated list of layers that keep their original MLP.
@@ -9,8 +9,7 @@ WORKDIR is a `mlpsurgery lock dlr --keep-work` folder with a finished phase 1; e
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -22,9 +21,12 @@ from mlpsurgery.models import load_model
 from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("workdir")
     ap.add_argument("--keep", nargs="+", default=["none"], help="none, or layers (e.g. 11,28) left original")
     ap.add_argument("--model", default=None, help="the original model (default SmolLM2)")
@@ -33,9 +35,9 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir)
     stage = work / "phase1.stage.json"
-    if not stage.exists() or not json.loads(stage.read_text())["done"]:
+    if not harness.read_json(stage, missing={"done": False})["done"]:
         raise SystemExit(f"{work} has no finished phase 1; run `mlpsurgery lock dlr ... --workdir {work} --keep-work`")
-    settings = json.loads(stage.read_text())["settings"]
+    settings = harness.read_json(stage)["settings"]
     layers = settings["layers"]
     state = load_file(str(work / "phase1.safetensors"))
     rows, corpus, net = [], None, None

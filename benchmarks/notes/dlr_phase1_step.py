@@ -4,20 +4,22 @@ One step = forward + backward of the batched network of all locked layers (Stack
 tokens per layer: the inner loop of phase 1. Shapes default to SmolLM2-135M at r = 64 (30 layers,
 d = 576, depth 36); the values are random (time depends only on the shapes).
 
-    python benchmarks/dlr_phase1_step.py [--layers 30 --d 576 --rank 64 --depth 36 --tokens 256 --threads 1]
+    python benchmarks/notes/dlr_phase1_step.py [--layers 30 --d 576 --rank 64 --depth 36 --tokens 256 --threads 1]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def step_times(fn, net: StackedDLR, x, y, repeats: int) -> list[float]:
@@ -31,17 +33,15 @@ def step_times(fn, net: StackedDLR, x, y, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, print_json=True, threads=1)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--d", type=int, default=576)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--depth", type=int, default=36)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     net = StackedDLR(args.layers, args.d, args.rank, args.depth)
     with torch.no_grad():
         net.alpha.fill_(0.1)  # non-trivial blocks (alpha = 0 would make every block's output zero)
@@ -58,13 +58,10 @@ def main() -> None:
                      "first step s": round(warm, 1)})
     for r in rows:
         r["speed-up vs eager"] = round(rows[0]["median step s"] / r["median step s"], 2)
-    machine = f"{platform.processor() or platform.machine()}, {args.threads} thread(s), torch {torch.__version__}"
-    if args.json:
-        print(json.dumps({"machine": machine, "settings": vars(args), "rows": rows}, indent=1))
-    else:
-        print(f"phase-1 step, {args.layers} layers x {args.tokens} tokens, d={args.d}, r={args.rank}, "
-              f"depth {args.depth}; {machine}")
-        print(table(rows, markdown=True))
+    machine = harness.machine("{processor}, {threads} thread(s), torch {torch}")
+    harness.print_result({"machine": machine, "settings": vars(args), "rows": rows}, args.json,
+                         f"phase-1 step, {args.layers} layers x {args.tokens} tokens, d={args.d}, r={args.rank}, "
+                         f"depth {args.depth}; {machine}\n" + table(rows, markdown=True))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Phase 2 trains every DLR-Net at once through the whole model (top-k KL to the or
 DLR-Net checkpointed, its blocks recomputed in backward), and in eager PyTorch each of the 30 x 36 blocks is ~11
 small element-wise and matrix ops forward and more backward, on 2 x 256 tokens -- so on a CPU the step is bound by
 per-op overhead (OpenMP fork/join), not by FLOPs: 15 s a step on a 2-core Intel Xeon of 2026-11-27 against 6.8 s on
-the Xeon of 2026-11-26 (docs/dlr-lock.md). Phase 1 compiles its steps (8.1 -> 3.1 s, benchmarks/dlr_phase1_step.py);
-phase 2 does not yet. This measures what compiling the DLR-Nets would buy:
+the Xeon of 2026-11-26 (docs/dlr-lock.md). Phase 1 compiles its steps (8.1 -> 3.1 s,
+benchmarks/notes/dlr_phase1_step.py); phase 2 does not yet. This measures what compiling the DLR-Nets would buy:
 
 - eager: `lock dlr`'s phase 2 as it is (DLRNet._delta, checkpointed);
 - net: one torch.compile'd function of (x, D, U, norm, alpha) for a whole DLR-Net (36 blocks unrolled), shared by
@@ -18,14 +18,13 @@ the loss is the top-k KL phase 2 uses, against the original's top-k log-probabil
 the same weights and the same batches; the losses of the first steps are printed beside each other (compiled
 arithmetic is the same up to float order).
 
-    OMP_NUM_THREADS=2 python benchmarks/dlr_phase2_step.py --json runs/dlr/phase2_step.json
+    OMP_NUM_THREADS=2 python benchmarks/notes/dlr_phase2_step.py --json runs/dlr/phase2_step.json
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -33,11 +32,13 @@ import torch
 import torch.nn.functional as F
 
 import mlpsurgery as ms
-from memory import cpu_name
 from mlpsurgery.methods.dlr_lock import locked_like
 from mlpsurgery.methods.dlr_lock.logits import _compile_nets, _dlr_modules
 from mlpsurgery.methods.dlr_lock.losses import topk_kl
 from mlpsurgery.modules.dlr import rms_norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def block(z, D, U, norm, alpha, eps: float):
@@ -64,7 +65,7 @@ def install(model, variant: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, json="runs/dlr/phase2_step.json")
     ap.add_argument("--model", default=None)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
@@ -72,7 +73,6 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per variant (after 2 warm-up steps)")
     ap.add_argument("--variants", default="eager,net,block")
-    ap.add_argument("--json", default="runs/dlr/phase2_step.json")
     args = ap.parse_args()
 
     original = ms.load_model(args.model).model.eval()
@@ -82,9 +82,8 @@ def main() -> None:
     batches = [torch.randint(0, original.config.vocab_size, (args.batch, args.seq_len), generator=g) for _ in range(n)]
     with torch.no_grad():
         targets = [torch.log_softmax(original(input_ids=b).logits.float(), -1).topk(args.top_k, -1) for b in batches]
-    res = {"machine": f"CPU ({cpu_name()}), {torch.get_num_threads()} threads, "
-                      f"torch {torch.__version__}", "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len,
-           "variants": {}}
+    res = {"machine": harness.machine("CPU ({cpu_name}), {threads} threads, torch {torch}"), "rank": args.rank,
+           "batch": args.batch, "seq_len": args.seq_len, "variants": {}}
     for variant in args.variants.split(","):
         model = copy.deepcopy(base).eval()
         params = [p for _, m in _dlr_modules(model) for p in m.parameters()]
@@ -114,8 +113,7 @@ def main() -> None:
         r["speedup_vs_eager"] = eager / r["median_step_s"] if eager else None
         print(f"{v:6s} {r['median_step_s']:.2f} s/step (first two {r['first_two_s'][0]:.1f}, {r['first_two_s'][1]:.1f})"
               + (f"  {r['speedup_vs_eager']:.2f}x" if eager else ""))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    harness.write_json(args.json, res)
 
 
 if __name__ == "__main__":

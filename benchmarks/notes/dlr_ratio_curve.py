@@ -26,17 +26,20 @@ The best lock at each time (the lower envelope) is fitted as ratio - 1 = c * t^-
 extrapolated to ratio 1.10 (Persuasion) / 1.25 (R8): a rough reading of the budget the present recipe would need
 if it kept improving at the rate of its last stages, not a measurement.
 
-    python benchmarks/dlr_ratio_curve.py --out docs/img/dlr-ratio-vs-time.png --json docs/results/dlr-ratio-curve.json
+    python benchmarks/notes/dlr_ratio_curve.py --out docs/img/dlr-ratio-vs-time.png \\
+        --json docs/results/dlr-ratio-curve.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
+import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
+RESULTS = harness.ROOT / "docs" / "results"
 TARGETS = {"heldout": 1.10, "second_corpus": 1.25}
 NAMES = {"heldout": "Persuasion (held out)", "second_corpus": "R8 news (test)"}
 
@@ -46,7 +49,7 @@ def points() -> list[dict]:
     out = []
 
     def add(label: str, path: str, stage: str, stages: tuple[str, ...]):
-        d = json.loads((RESULTS / path).read_text())
+        d = harness.read_json(RESULTS / path)
         rep, ppl = d["report"], d["perplexity"]
         secs = sum(rep.get(f"{s}_seconds", 0.0) for s in stages)
         out.append({"label": label, "seconds": secs, "source": path,
@@ -97,9 +100,8 @@ def fit(env: list[dict], corpus: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, json=True)
     p.add_argument("--out", default="docs/img/dlr-ratio-vs-time.png")
-    p.add_argument("--json", dest="json_out")
     args = p.parse_args()
     pts = points()
     fits = {c: fit(envelope(pts, c), c) for c in TARGETS}
@@ -110,11 +112,9 @@ def main() -> None:
         print(f"{NAMES[c]}: ratio - 1 ~ t^{f['exponent']:.2f}; {f['target']} at about "
               + (f"{t:,.0f} s ({t / 3600:.1f} h)" if t else "never (no improvement)"))
 
-    import matplotlib
+    from mlpsurgery.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for c, colour in zip(TARGETS, ("tab:blue", "tab:orange")):
         ax.scatter([q["seconds"] / 60 for q in pts], [q[c] for q in pts], color=colour, label=NAMES[c], zorder=3)
@@ -139,8 +139,8 @@ def main() -> None:
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"points": pts, "fits": fits}, indent=1) + "\n")
+    if args.json:
+        harness.write_json(args.json, {"points": pts, "fits": fits})
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 
 In SmolLM2 layer 11 writes a 'massive activation' (about 25,000 in one coordinate) into the first token
 of every sequence, and layer 28 erases it; those tokens hold > 95% of the layer's sum ||y - x||^2
-(benchmarks/dlr_outlier_tokens.py). This trains DLR-Nets for the chosen layers alone on the captured pairs
+(benchmarks/notes/dlr_outlier_tokens.py). This trains DLR-Nets for the chosen layers alone on the captured pairs
 of a `lock dlr --keep-work` folder, with the phase-1 code of the library (sampling, losses, per-layer
 clipping, the shared fitting loop), for several recipes, and reports the held-out relative error split
 into the sink tokens (position 0 of each captured block) and all the others.
 
-    python benchmarks/dlr_sink_layers.py runs/dlr/work-r64 --layers 11,28 \\
+    python benchmarks/notes/dlr_sink_layers.py runs/dlr/work-r64 --layers 11,28 \\
         --recipes relative:0:3e-3:150,token:0:3e-3:150,token:0.125:1e-2:150,token:0.125:1e-2:1500
 
 A recipe is LOSS:HARD_FRACTION:LR:STEPS (loss relative = the paper's, token = per-token relative error).
@@ -15,8 +15,7 @@ A recipe is LOSS:HARD_FRACTION:LR:STEPS (loss relative = the paper's, token = pe
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,9 +30,12 @@ from mlpsurgery.modules.dlr import StackedDLR
 from mlpsurgery.report import table
 from mlpsurgery.train import FitConfig, fit, step_rng
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("workdir", help="a folder given to `mlpsurgery lock dlr --workdir` (kept with --keep-work)")
     ap.add_argument("--layers", default="11,28")
     ap.add_argument("--recipes", default="relative:0:3e-3:150,token:0.125:1e-2:150")
@@ -87,7 +89,7 @@ def main() -> None:
         print(table(rows[-len(layers):], markdown=True), flush=True)
     print(table(rows, markdown=True))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        harness.write_json(args.out, rows)
 
 
 if __name__ == "__main__":

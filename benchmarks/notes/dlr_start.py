@@ -6,7 +6,7 @@ side with the library's own phase-1 code (sampling with hard tokens, the per-tok
 torch.compile, the shared fitting loop), reporting per layer the held-out relative error after the start and after
 training, and the seconds each took.
 
-    python benchmarks/dlr_start.py --layers 3,11,15,25 --calib-blocks 128 --capture runs/dlr/start-capture \\
+    python benchmarks/notes/dlr_start.py --layers 3,11,15,25 --calib-blocks 128 --capture runs/dlr/start-capture \\
         --recipes identity:1e-2:300,closed-form:1e-3:300,closed-form:3e-3:300,closed-form:1e-2:300 \\
         --threads 2 --out docs/results/dlr-start.json
 
@@ -15,9 +15,7 @@ START is closed-form (start.py) or identity (a = 0); LR the phase-1 learning rat
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -34,9 +32,12 @@ from mlpsurgery.report import table
 from mlpsurgery.sites import find_sites
 from mlpsurgery.train import FitConfig, fit, step_rng
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, threads=2)
     ap.add_argument("model", nargs="?", help="model (default: the bundled SmolLM2)")
     ap.add_argument("--data", help="calibration text (default: bundled Austen, training novels)")
     ap.add_argument("--layers", default="3,11,15,25")
@@ -47,10 +48,9 @@ def main() -> None:
     ap.add_argument("--recipes", default="identity:1e-2:300,closed-form:3e-3:300")
     ap.add_argument("--tokens", type=int, default=DLRConfig.phase1_tokens, help="tokens per layer per step")
     ap.add_argument("--start-tokens", type=int, default=DLRConfig.start_tokens)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     cfg = DLRConfig(rank=args.rank)
     loaded = ms.load_model(args.model)
     model = loaded.model
@@ -105,10 +105,10 @@ def main() -> None:
                 **{f"layer {i}": round(r["trained_error"][i], 3) for i in layers}} for r in runs]
     print(table(summary, markdown=True))
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "machine": f"{platform.machine()} {platform.processor() or ''}, {args.threads} threads, torch {torch.__version__}",
+        harness.write_json(args.out, {
+            "machine": harness.machine("{arch} {uname_processor}, {threads} threads, torch {torch}"),
             "model": loaded.source, "layers": layers, "rank": args.rank, "depth": depth, "capture_tokens": cap.n_tokens,
-            "tokens_per_step": args.tokens, "runs": runs}, indent=1))
+            "tokens_per_step": args.tokens, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -4,10 +4,16 @@ steps, so s_k read alone confounds "how well the rank fits" with "how often it w
 these counts beside the learned values. The counts are a pure function of (ranks, steps, sampling, seed), so
 they are computed here without training.
 
-    python benchmarks/nsn_update_counts.py
+    python benchmarks/notes/nsn_update_counts.py
 """
 
+import sys
+from pathlib import Path
+
 from mlpsurgery.methods.nsn import MultiRankObjective
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 RUNS = {  # name: (training ranks, steps, seeds) as benchmarks/nsn_minilm.py and nsn_fig4.py ran them
     "MiniLM post-hoc NSN (nsn_minilm.py --posthoc-steps 100, seed 1)": ((32, 64, 128, 256, 384), 100, [1]),
@@ -17,6 +23,7 @@ RUNS = {  # name: (training ranks, steps, seeds) as benchmarks/nsn_minilm.py and
 
 
 def main() -> None:
+    harness.parser(__doc__).parse_args()
     for name, (ranks, steps, seeds) in RUNS.items():
         mean = {r: 0.0 for r in ranks}
         for seed in seeds:
