@@ -53,7 +53,7 @@ def test_minilm_probe_beats_chance(minilm):
 def test_smollm2_dlr_closed_form_start_is_far_nearer_than_the_identity(smollm2):
     # DLR-Lock's closed-form start (methods/dlr_lock/start.py) on SmolLM2's layer 11 (the attention-sink layer,
     # whose update is one massive activation) and layer 15, rank 64 / depth 36: fitted on 3,072 captured tokens,
-    # measured on 1,024 others (docs/dlr-lock.md measures 32k tokens and 4 layers with benchmarks/dlr_start.py)
+    # measured on 1,024 others (docs/dlr-lock.md measures 32k tokens and 4 layers with benchmarks/notes/dlr_start.py)
     from mlpsurgery.capture import capture_mlp_io
     from mlpsurgery.methods.dlr_lock.start import closed_form_start, mlp_directions
     from mlpsurgery.modules.dlr import StackedDLR

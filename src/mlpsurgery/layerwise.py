@@ -75,7 +75,7 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
     """glibc: serve every allocation of `threshold` bytes or more by its own memory map, returned to the OS when
     freed (what MALLOC_MMAP_THRESHOLD_=1048576 does). By default the threshold adapts upwards to 32 MB, and the
     freed pieces of a selection over gigabytes of scores stay in the heap between the long-lived ones: CoreLocker's
-    global ranking of a 2 B model peaked 2 GB higher (docs/memory.md). A no-op elsewhere."""
+    global ranking of a 2 B model peaked 2 GB higher (docs/notes/memory.md). A no-op elsewhere."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):

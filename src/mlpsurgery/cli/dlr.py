@@ -203,7 +203,7 @@ def _rank_from_depth(args, cfg, model) -> None:
 def _layerwise(args) -> bool:
     """Phase 1 layer by layer? As --layerwise / --no-layerwise say; by default wherever it can run -- a model with
     weight files (not tiny:ARCH), not --phase2-only -- since there it is the better lock in less time and memory
-    (docs/dlr-lock.md, "Layer by layer"), in one process or under torchrun (the layers split over the ranks: the
+    (docs/notes/dlr-lock.md, "Layer by layer"), in one process or under torchrun (the layers split over the ranks: the
     same lock, bit for bit), and on the CPU: on a GPU it is asked for with --layerwise (each layer captured and its
     net trained on the device), the whole-model phase 1 staying the default there until the layer-by-layer one is
     measured on one."""

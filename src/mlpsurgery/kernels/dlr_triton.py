@@ -40,7 +40,7 @@ except ImportError:  # the package works without triton; only the fused path is 
     HAVE_TRITON = False
 
 PATHS = ("cols", "gemm")
-COLS_MAX_T = 16  # at most this many rows: cols; more: gemm. Measured on an H100 (docs/dlr-gpu.md, "Schedules"):
+COLS_MAX_T = 16  # at most this many rows: cols; more: gemm. Measured on an H100 (docs/notes/dlr-gpu.md, "Schedules"):
 # cols fastest at T = 16 on all three shapes, gemm at T >= 64; at T = 32 it depends on the shape
 
 
@@ -237,7 +237,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 # Tile settings of each schedule; `dlr_forward(..., tiles=...)` overrides any of them. The defaults come from
-# benchmarks/dlr_gpu_tune.py on an H100 (docs/dlr-gpu.md, "Tile settings"): a value of 0 / None is chosen by shape
+# benchmarks/dlr_gpu_tune.py on an H100 (docs/notes/dlr-gpu.md, "Tile settings"): a value of 0 / None is chosen by shape
 # from that sweep. cols: BK columns per program (d / BK programs; 0: 64 at d >= 4096, 32 at d >= 2048, else 16),
 # num_warps (8 was faster than 4 for every BK tried). gemm: the row tile BM (0: 128 from 2,048 rows on, else 64),
 # each product's BN x BK tile (BN_down 0: 256 at r >= 1024 in 16-bit weights, 64 below 2,048 rows, else 128) and

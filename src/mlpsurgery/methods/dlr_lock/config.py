@@ -17,7 +17,7 @@ PHASE1_LOSSES = ("relative", "token")
 
 @dataclass
 class DLRConfig:
-    """Settings of DLR-Lock. Defaults are sized for SmolLM2-135M on a CPU (see docs/dlr-lock.md)."""
+    """Settings of DLR-Lock. Defaults are sized for SmolLM2-135M on a CPU (see docs/notes/dlr-lock.md)."""
 
     rank: int = 64  # bottleneck r of every block; smaller r = deeper = more locking
     depth: int | None = None  # blocks per DLR-Net; None: match the replaced MLP's parameter count
@@ -26,13 +26,13 @@ class DLRConfig:
     block_len: int = 256  # tokens per calibration block
     calib_blocks: int = 256  # phase-1 capture: calib_blocks x block_len tokens
     capture_dtype: str = "bfloat16"  # storage of captured activations
-    # the measured recipe of docs/dlr-lock.md (run 5's phase 1 and on-policy steps, then 480 phase-2 steps over 512
+    # the measured recipe of docs/notes/dlr-lock.md (run 5's phase 1 and on-policy steps, then 480 phase-2 steps over 512
     # blocks): SmolLM2 at 1.82x / 1.47x perplexity in about 2.4 hours of a 2-core CPU with every layer's net side by
     # side, 1.79x / 1.42x in about 1.8 hours with phase 1 layer by layer (`lock dlr`'s default in one process); a
     # longer phase 2 bought more than a longer phase 1 was predicted to
     phase1_steps: int = 700
-    # 1e-2: best of 1e-3..2e-2 after the closed-form start (benchmarks/dlr_start.py); from the identity, 3e-3 for 150
-    # steps left the attention-sink layers unlearned (docs/dlr-lock.md)
+    # 1e-2: best of 1e-3..2e-2 after the closed-form start (benchmarks/notes/dlr_start.py); from the identity, 3e-3 for 150
+    # steps left the attention-sink layers unlearned (docs/notes/dlr-lock.md)
     phase1_lr: float = 1e-2
     phase1_start: str = "closed-form"  # closed-form: start.py (fits each block in turn); identity: a = 0
     start_tokens: int = 16384  # captured training tokens per layer the closed-form start fits on
@@ -40,13 +40,13 @@ class DLRConfig:
     phase1_tokens: int = 512  # tokens per layer per step
     phase1_weight_decay: float = 0.0
     phase1_val_fraction: float = 0.1  # captured chunks held out to report the relative error
-    # Our phase-1 recipe (docs/dlr-lock.md: better on the 99% of tokens the paper's loss cannot see in the
+    # Our phase-1 recipe (docs/notes/dlr-lock.md: better on the 99% of tokens the paper's loss cannot see in the
     # attention-sink layers); phase1_loss="relative", phase1_hard_fraction=0 is the paper's.
     phase1_hard_fraction: float = 0.125  # share of each phase-1 batch drawn in proportion to ||y_t - x_t|| (rest uniform)
     phase1_loss: str = "token"  # relative: sum_t ||e_t||^2 / sum_t ||y_t - x_t||^2 | token: see token_relative_error
     # On-policy continuation (onpolicy.py): steps on batches whose onpolicy_mix share comes from the inputs the
     # installed phase-1 nets produce; None: a third of phase1_steps (the measured 300 after 900: ratio 3.50 -> 3.10
-    # against as many steps on the teacher's inputs, docs/dlr-lock.md); 0 skips it
+    # against as many steps on the teacher's inputs, docs/notes/dlr-lock.md); 0 skips it
     onpolicy_steps: int | None = None
     onpolicy_mix: float = 0.5
     onpolicy_lr: float = 3e-3

@@ -58,7 +58,7 @@ def _delta(x: Tensor, D: Tensor, U: Tensor, norm: Tensor, alpha: Tensor, eps: fl
 def _compile_nets(nets: list[DLRNet]) -> None:
     """Point every net's (checkpointed) forward at one torch.compile'd `_delta`: it fuses each block's element-wise
     work, which in eager mode is most of a CPU step's time (per-op overhead on 2 x 256 tokens): 15.2 -> 9.2 s per
-    SmolLM2 phase-2 step on 2 threads after a one-off compilation of about 110 s (benchmarks/dlr_phase2_step.py).
+    SmolLM2 phase-2 step on 2 threads after a one-off compilation of about 110 s (benchmarks/notes/dlr_phase2_step.py).
     Eager where compilation fails (compiling.compiled_or_eager; only at the first call: past it, the checkpoint's
     recompute stops by raising through the forward): the math is the same. `_uncompile_nets` undoes it."""
     import functools

@@ -24,7 +24,7 @@ start leaves a relative error of 0.8 or more (modulewise.START_MAX_ERROR): on sm
 near-linear gates, where SiLU features of the gate rows cannot express the gate x up product, the start reaches
 only 0.9-1.0 and training from it ends worse than from the identity.
 
-Measured on SmolLM2 (docs/dlr-lock.md, `benchmarks/dlr_start.py`): held-out relative error 1.0 (identity) ->
+Measured on SmolLM2 (docs/notes/dlr-lock.md, `benchmarks/notes/dlr_start.py`): held-out relative error 1.0 (identity) ->
 about 0.35-0.55 in about a second per layer, and lower after the same number of phase-1 steps.
 Cost per layer: depth solves of r x r plus 2 x depth matrix products of the sample (tokens x d x r), no
 depth x r-sized system, so it scales to wide models.
