@@ -24,7 +24,7 @@ def _unit(parts: list[str]) -> str | None:
     if not parts:
         return None
     head = parts[0]
-    return head if (ROOT / f"{head}.py").is_file() or (ROOT / head / "__init__.py").is_file() else None
+    return head if (ROOT / f"{head}.py").is_file() or (ROOT / head).is_dir() and any((ROOT / head).glob("*.py")) else None
 
 
 def import_graph() -> dict[str, dict[str, list[str]]]:
@@ -135,3 +135,41 @@ def test_no_new_cycles():
     graph = import_graph()
     new = [c for c in cycles(graph) if c not in KNOWN_CYCLES]
     assert not new, "import cycles:\n" + "\n".join(f"{sorted(c)}:\n{describe(graph, c)}" for c in new)
+
+
+# The house from the bottom up (README, "Architecture"): a module imports only modules of a lower layer, even lazily.
+# Within the shared tools the order is the one their imports need (io before layerwise before models ...).
+LAYERS = [
+    {"errors", "kernels"},  # the base: errors, files, reports, resources
+    {"files", "tensorfiles", "data"},
+    {"report", "checksums", "tiny"},
+    {"resources"},
+    {"sites"},
+    {"modules", "checkpoints"},
+    {"standalone", "adapters"},
+    {"io"},
+    {"layerwise"},
+    {"models", "subsets"},
+    {"parallel"},
+    {"capture", "train"},
+    {"measure"},
+    {"methods"},
+    {"compare", "demo"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def test_every_module_has_a_layer():
+    placed = set().union(*LAYERS)
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and any(p.glob("*.py")))}
+    assert units <= placed, f"modules with no layer in LAYERS: {sorted(units - placed)}"
+
+
+def test_no_module_imports_a_layer_above_it():
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    graph = import_graph()
+    up = [f"{a} (layer {rank[a]}) -> {b} (layer {rank[b]}): {', '.join(where[:3])}"
+          for a, targets in graph.items() for b, where in targets.items() if rank[b] >= rank[a]]
+    assert not up, "imports of a module in the same or a higher layer:\n" + "\n".join(up)
