@@ -29,6 +29,7 @@ from torch import nn
 
 from . import files
 from .errors import MLPSurgeryError
+from .methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 
 FUSE_METHODS = ("fusion", "cluster", "svd", "sketch", "neuron", "random", "mmd")
 STRUCTURED = FUSE_METHODS + ("nsn", "twist", "fisher")
@@ -56,8 +57,8 @@ class CompareConfig:
     data: str | None = None  # corpus (default: the bundled Austen, Persuasion held out)
     max_tokens: int = 4096  # held-out tokens scored per point
     block_len: int | None = None  # perplexity window (default: 512 or the model's context)
-    calib_blocks: int = 64  # calibration / recovery blocks of calib_len tokens from the train split
-    calib_len: int = 128
+    calib_blocks: int = CALIB_BLOCKS  # calibration / recovery blocks of calib_len tokens from the train split
+    calib_len: int = CALIB_LEN
     data_free: bool = False  # True: fusion's methods and NSN as their papers (no calibration; plain SVD, no refit)
     recover_steps: int = 0  # recovery steps per candidate (0: none)
     recover_lr: float | None = None  # default: 1e-3 layer-wise, 3e-4 distill

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import command, device_of, draw, integer, number, progress
+from ..methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .core import MODEL_HELP
 
 
@@ -50,11 +51,12 @@ def register(sub, groups) -> None:
     p.add_argument("--data", help="corpus: file, folder, table, austen (default: Persuasion held out) / r8")
     p.add_argument("--max-tokens", type=integer(16), default=4096, help="held-out tokens scored per point (4096)")
     p.add_argument("--block-len", type=integer(2), help="perplexity window (512, or the model's context if shorter)")
-    p.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration / recovery blocks (64)")
+    p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
+                   help=f"calibration / recovery blocks ({CALIB_BLOCKS})")
     p.add_argument("--data-free", action="store_true",
                    help="fusion's methods and NSN as their papers: no calibration (plain SVD, no refit, weight-scored "
                         "neurons); default: each layer calibrated on what the compressed layers before it produce")
-    p.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
     p.add_argument("--recover-steps", type=integer(0), default=0,
                    help="recovery steps for every candidate (0: none); see --recover")
     p.add_argument("--recover", choices=("layerwise", "distill"), default="layerwise",

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..report import human_count, plot_layers, table
 from . import (calibration_blocks, check_max_memory, command, device_of, draw, integer, join_ranks, model_name,
                number, progress, stage)
+from ..methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .core import MODEL_HELP
 
 METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P^1/2 folded in), svd, sketch, mmd, "
@@ -294,8 +295,9 @@ def register(sub, groups) -> None:
                         "activation (mean |activation| x down norm)")
     p.add_argument("--calib-data", help="calibration text for the data-aware compression (file, folder, table, austen, "
                    "r8-train; default: the bundled Austen, its train split)")
-    p.add_argument("--calib-blocks", type=integer(1), default=64, help="calibration blocks of --calib-len tokens (64)")
-    p.add_argument("--calib-len", type=integer(2), default=128, help="tokens per calibration block (128)")
+    p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
+                   help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
+    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
     p.add_argument("--calibration", choices=("sequential", "original"), default="sequential",
                    help="sequential (default): each layer on what the compressed layers before it produce; original: "
                         "every layer on the original model's activations")

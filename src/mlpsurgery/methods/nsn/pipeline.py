@@ -13,6 +13,7 @@ from ...errors import MLPSurgeryError
 from ...io import check_out
 from ...report import ends_stages, stage
 
+from ..reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .surgery import NSNConfig, _require_nested, check_config, max_rank, nest, nest_layer, nested_linears
 from .ranks import nested_flops, set_budget, set_rank
 from .training import NSNTrainConfig, learned_log_variances, train_nsn, training_updates
@@ -36,7 +37,8 @@ def is_labelled(data: str | None) -> bool:
 def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: NSNTrainConfig | None = None,
                data: str | None = None, batch_size: int = 8, block_len: int = 128, max_len: int = 128,
                checkpoint_dir: str | Path | None = None, overwrite: bool = False, device: str = "cpu",
-               progress: bool = True, calib_data: str | None = None, calib_blocks: int = 64, calib_len: int = 128,
+               progress: bool = True, calib_data: str | None = None, calib_blocks: int = CALIB_BLOCKS,
+               calib_len: int = CALIB_LEN,
                data_free: bool = False) -> dict:
     """Load MODEL, nest it, train it with the multi-rank objective when train.fit.steps > 0 (language
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
