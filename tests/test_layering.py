@@ -24,7 +24,8 @@ def _unit(parts: list[str]) -> str | None:
     if not parts:
         return None
     head = parts[0]
-    return head if (ROOT / f"{head}.py").is_file() or (ROOT / head).is_dir() and any((ROOT / head).glob("*.py")) else None
+    folder = ROOT / head  # a subpackage, or a folder of modules without __init__.py (measure/)
+    return head if (ROOT / f"{head}.py").is_file() or folder.is_dir() and any(folder.glob("*.py")) else None
 
 
 def import_graph() -> dict[str, dict[str, list[str]]]:

@@ -56,7 +56,8 @@ def register(sub, groups) -> None:
     p.add_argument("--data-free", action="store_true",
                    help="fusion's methods and NSN as their papers: no calibration (plain SVD, no refit, weight-scored "
                         "neurons); default: each layer calibrated on what the compressed layers before it produce")
-    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
+    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN,
+                   help=f"tokens per calibration block ({CALIB_LEN})")
     p.add_argument("--recover-steps", type=integer(0), default=0,
                    help="recovery steps for every candidate (0: none); see --recover")
     p.add_argument("--recover", choices=("layerwise", "distill"), default="layerwise",

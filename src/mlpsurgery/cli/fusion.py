@@ -297,7 +297,8 @@ def register(sub, groups) -> None:
                    "r8-train; default: the bundled Austen, its train split)")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
                    help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
-    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
+    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN,
+                   help=f"tokens per calibration block ({CALIB_LEN})")
     p.add_argument("--calibration", choices=("sequential", "original"), default="sequential",
                    help="sequential (default): each layer on what the compressed layers before it produce; original: "
                         "every layer on the original model's activations")

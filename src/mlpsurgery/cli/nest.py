@@ -218,7 +218,8 @@ def register(sub, groups) -> None:
     g.add_argument("--calib-data", help="text whose MLP inputs whiten the SVD start (file, folder, table, austen, "
                    "r8-train; default: the bundled Austen's train split)")
     g.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS, help=f"calibration blocks ({CALIB_BLOCKS})")
-    g.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
+    g.add_argument("--calib-len", type=integer(2), default=CALIB_LEN,
+                   help=f"tokens per calibration block ({CALIB_LEN})")
     g.add_argument("--data-free", action="store_true", help="the paper's plain SVD start, no calibration data (what "
                    "torchrun does, and --layerwise unless --calib-data is given)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "

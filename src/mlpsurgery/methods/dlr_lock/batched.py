@@ -18,8 +18,8 @@ from .losses import relative_error, token_relative_error
 
 def _compiled(net: nn.Module):
     """net's forward through torch.compile (fuses the element-wise RMSNorm / SiLU / residual work between the
-    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/notes/dlr_phase1_step.py), or net
-    itself where compilation is unavailable (compiling.compiled_or_eager): the math is the same."""
+    batched matmuls: 8.1 -> 3.1 s per SmolLM2 phase-1 step on one CPU thread, benchmarks/notes/dlr_phase1_step.py), or
+    net itself where compilation is unavailable (compiling.compiled_or_eager): the math is the same."""
     return compiled_or_eager(net, "phase 1")
 
 

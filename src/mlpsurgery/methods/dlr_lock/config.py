@@ -26,13 +26,13 @@ class DLRConfig:
     block_len: int = 256  # tokens per calibration block
     calib_blocks: int = 256  # phase-1 capture: calib_blocks x block_len tokens
     capture_dtype: str = "bfloat16"  # storage of captured activations
-    # the measured recipe of docs/notes/dlr-lock.md (run 5's phase 1 and on-policy steps, then 480 phase-2 steps over 512
-    # blocks): SmolLM2 at 1.82x / 1.47x perplexity in about 2.4 hours of a 2-core CPU with every layer's net side by
+    # the measured recipe of docs/notes/dlr-lock.md (run 5's phase 1 and on-policy steps, then 480 phase-2 steps over
+    # 512 blocks): SmolLM2 at 1.82x / 1.47x perplexity in about 2.4 hours of a 2-core CPU with every layer's net side by
     # side, 1.79x / 1.42x in about 1.8 hours with phase 1 layer by layer (`lock dlr`'s default in one process); a
     # longer phase 2 bought more than a longer phase 1 was predicted to
     phase1_steps: int = 700
-    # 1e-2: best of 1e-3..2e-2 after the closed-form start (benchmarks/notes/dlr_start.py); from the identity, 3e-3 for 150
-    # steps left the attention-sink layers unlearned (docs/notes/dlr-lock.md)
+    # 1e-2: best of 1e-3..2e-2 after the closed-form start (benchmarks/notes/dlr_start.py); from the identity, 3e-3 for
+    # 150 steps left the attention-sink layers unlearned (docs/notes/dlr-lock.md)
     phase1_lr: float = 1e-2
     phase1_start: str = "closed-form"  # closed-form: start.py (fits each block in turn); identity: a = 0
     start_tokens: int = 16384  # captured training tokens per layer the closed-form start fits on

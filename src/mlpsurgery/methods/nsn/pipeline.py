@@ -12,7 +12,6 @@ from torch import nn
 from ...errors import MLPSurgeryError
 from ...io import check_out
 from ...report import ends_stages, stage
-
 from ..reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .surgery import NSNConfig, _require_nested, check_config, max_rank, nest, nest_layer, nested_linears
 from .ranks import nested_flops, set_budget, set_rank

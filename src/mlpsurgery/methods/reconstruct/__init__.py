@@ -21,4 +21,5 @@ from .refit import refit_down
 from .sequential import sequential
 from .whiten import truncation_error, whitened_factors, whitening
 
-__all__ = ["CALIB_BLOCKS", "CALIB_LEN", "OBSPath", "obs_prune", "refit_down", "sequential", "truncation_error", "whitened_factors", "whitening"]
+__all__ = ["CALIB_BLOCKS", "CALIB_LEN", "OBSPath", "obs_prune", "refit_down", "sequential", "truncation_error",
+           "whitened_factors", "whitening"]
