@@ -504,7 +504,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             if step == start and progress and rank == 0:  # a run of days says so up front, not at its end
                 note = long_run_message(time.perf_counter() - began, cfg.steps, start, ckpt is not None)
                 if note:
-                    tqdm.write(f"mlpsurgery: {desc}: {note}", file=sys.stderr)
+                    with _deferred_interrupt():  # a Ctrl-C right after the note never lands inside tqdm's locks
+                        tqdm.write(f"mlpsurgery: {desc}: {note}", file=sys.stderr)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.set_postfix(loss=f"{rec['loss']:.4g}")
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
