@@ -26,6 +26,7 @@ import copy
 import json
 import statistics
 import time
+from pathlib import Path
 
 import harness
 import mlpsurgery as ms
@@ -130,10 +131,12 @@ def report(args) -> None:
         ax.tick_params(axis="x", rotation=45)
     fig.suptitle(f"all-MiniLM-L6-v2, layers 2-5 compressed 1536 -> {r0['width']}, {r0['n']} held-out Austen blocks")
     fig.tight_layout()
-    img = ROOT / "docs" / "img" / "fusion_table1.png"
+    # the committed plot for the default results file; any other --out gets its plot beside it
+    default = Path(args.out).resolve() == (ROOT / "runs" / "fusion_table1.jsonl").resolve()
+    img = ROOT / "docs" / "img" / "fusion_table1.png" if default else Path(args.out).with_suffix(".png")
     img.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(img, dpi=110)
-    print(f"plot: {img.relative_to(ROOT)}")
+    print(f"plot: {img}")
 
 
 def main() -> None:
