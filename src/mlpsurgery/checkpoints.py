@@ -1,8 +1,8 @@
 """Reading a transformers checkpoint folder: its config, the class to build, its tokenizer, its weight files' headers
 checked against the config -- what both `models` (loading a model whole) and `layerwise` (one layer at a time) need.
 
-Below models, layerwise and io: this module imports none of them (tests/test_layering.py). The old names stay
-importable from where they were (models, layerwise, io.loading, standalone).
+Below models, layerwise and io: this module imports none of them (tests/test_layering.py). The names callers use
+stay importable from where they were (models, layerwise, io.loading).
 """
 
 from __future__ import annotations

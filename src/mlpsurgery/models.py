@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import checkpoints
 from .checkpoints import _config_dtype, _first_line, _model_class, _tokenizer, check_weights, read_config
 from .errors import MLPSurgeryError
 
-# the checkpoint-reading helpers live in checkpoints.py (below this module, layerwise and io); importable from here too
-ENCODER_TYPES, _numbered_group = checkpoints.ENCODER_TYPES, checkpoints._numbered_group
+# the checkpoint-reading helpers live in checkpoints.py (below this module, layerwise and io); the ones callers use
+# stay importable from here
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -30,10 +30,8 @@ from typing import Any
 
 from torch import nn
 
-from . import __version__, checkpoints
+from . import __version__
 from .errors import MLPSurgeryError
-
-stock_config_dict = checkpoints.stock_config_dict  # moved to checkpoints.py (below io); importable from here too
 
 PREFIX = "mlpsurgery_"
 MODELING = "modeling_mlpsurgery.py"

@@ -34,7 +34,7 @@ def _release(modules) -> None:
     """Give up the parameters of `modules` and their children (a consumed model's layer): each becomes an empty
     tensor of its dtype, and the freed heap pages go back to the OS (a layer's smaller tensors come from the heap,
     where glibc would otherwise keep them)."""
-    from .layerwise import trim_heap
+    from .resources import trim_heap
 
     for mod in modules:
         for p in mod.parameters():

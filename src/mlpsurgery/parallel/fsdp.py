@@ -87,7 +87,8 @@ def load_sharded(spec: str | None, device: str | torch.device = "cpu",
     from tqdm.auto import tqdm
 
     from ..files import model_fingerprint
-    from ..layerwise import LayerStream, SourceRecord, trim_heap
+    from ..layerwise import LayerStream, SourceRecord
+    from ..resources import trim_heap
     from ..models import DEFAULT_MODEL, Loaded, _tokenizer, checkpoint_folder, load_model, working_dtype
 
     rank, size = world()
