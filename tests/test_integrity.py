@@ -176,7 +176,9 @@ def test_a_run_of_days_says_so_then_a_flipped_checkpoint_byte_is_refused(tmp_pat
     cmd = [sys.executable, "-m", "mlpsurgery", "nest", "tiny:llama", "--out", str(tmp_path / "O"), "--train-steps",
            "100000000", "--data-free", "--batch-size", "1", "--block-len", "16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLPSURGERY_STAGE_DELAY": "100"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    # Ctrl-C as at a terminal: a suite started in the background (`cmd &`) hands its children SIGINT ignored
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         text = _read_until(proc, "Ctrl-C stops it", 240)
         proc.send_signal(signal.SIGINT)

@@ -504,8 +504,7 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             if step == start and progress and rank == 0:  # a run of days says so up front, not at its end
                 note = long_run_message(time.perf_counter() - began, cfg.steps, start, ckpt is not None)
                 if note:
-                    with _deferred_interrupt():  # a Ctrl-C right after the note never lands inside tqdm's locks
-                        tqdm.write(f"mlpsurgery: {desc}: {note}", file=sys.stderr)
+                    tqdm.write(f"mlpsurgery: {desc}: {note}", file=sys.stderr)
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 bar.set_postfix(loss=f"{rec['loss']:.4g}")
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -560,8 +559,8 @@ def long_run_message(seconds_per_step: float, steps: int, resumed_from: int = 0,
 def _deferred_interrupt():
     """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, so an interrupt never
     lands between an optimizer update and the step counter that says it happened."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # (an ignored SIGINT -- a background job, nohup -- stays ignored: no handler turns it into a stop)
         return
     hit = []
     old = signal.signal(signal.SIGINT, lambda *_: hit.append(True))
