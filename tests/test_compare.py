@@ -106,3 +106,25 @@ def test_a_twist_trained_model_gets_its_random_subnets_on_the_frontier(tmp_path,
     again = ms.load(tmp_path / "cmp" / "models" / "twist@0.5")
     assert sum(p.numel() for p in again.parameters()) == tw["params"]
     assert not r["skipped"]
+
+
+def test_compare_with_local_tuning_records_it_per_point_and_a_rerun_without_it_is_refused(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron,fisher,nsn",
+                              "--budgets", "0.5", "--local-epochs", "2", "--no-models", "--json", *SMALL], capsys)
+    assert code == 0, err
+    points = {p["method"]: p for p in json.loads(stdout)["points"]}
+    for m in ("neuron", "fisher"):  # every chosen layer tuned, its steps and seconds recorded
+        loc = points[m]["local"]
+        assert loc["epochs"] == 2 and loc["layers"] == 1 and loc["steps"] > 0 and loc["seconds"] > 0, points[m]
+    assert "local" not in points["nsn"]  # (nesting is trained by NSN's own multi-rank training, not here)
+    assert "local 2 epochs" in (out / "frontier.md").read_text()
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--budgets", "0.5",
+                         "--no-models", *SMALL], capsys)
+    assert code == 2 and "other settings" in err and "local_epochs" in err
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "free"), "--data-free", "--local-epochs",
+                         "1", *SMALL], capsys)
+    assert code == 2 and "local" in err and err.count("\n") == 1 and not (tmp_path / "free").exists()
+    code, _, err = _run(["fuse", "tiny:llama", "--out", str(tmp_path / "f"), "--data-free", "--local-epochs", "1"],
+                        capsys)
+    assert code == 2 and "--local-epochs" in err and err.count("\n") == 1 and not (tmp_path / "f").exists()

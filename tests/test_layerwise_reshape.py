@@ -51,6 +51,27 @@ def test_calibrated_fuse_layer_by_layer_writes_the_whole_model_folder(tmp_path, 
     assert lw["error_inputs"] == whole["error_inputs"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_local_tuning_layer_by_layer_writes_the_whole_model_folder(tmp_path, arch):
+    """On-policy local tuning (each layer trained on its calibration rows before the next is calibrated) is the same
+    code in both modes: the same folder, bit for bit, and the same report but for the seconds it took."""
+    src = saved_checkpoint(tmp_path, arch)
+    calib = torch.randint(3, 250, (16, 24), generator=torch.Generator().manual_seed(0))
+    cfg = FusionConfig(width=24, layers="all", n_init=1, method="neuron", calib_batch=4, local_epochs=4,
+                       local_lr=1e-3)
+    loaded = load_model(src)
+    whole = fuse(loaded.model, cfg, progress=False, calib_data=calib)
+    save(loaded.model, tmp_path / "whole")
+    lw = fuse_layerwise(src, tmp_path / "lw", cfg, progress=False, calib_data=calib)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+
+    def timeless(sites):
+        return [{**s, "local": {k: v for k, v in s["local"].items() if k != "seconds"}} for s in sites]
+
+    assert timeless(lw["sites"]) == timeless(whole["sites"])
+    assert all(s["local"]["steps"] == 2 for s in whole["sites"])  # ceil(4 epochs x 384 rows / 1024)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_layerwise_fusion_equals_whole_model_bit_for_bit(tmp_path, arch):
     src = saved_checkpoint(tmp_path, arch)

@@ -266,3 +266,62 @@ def test_a_per_layer_budget_folder_saves_loads_and_exports_with_its_widths(tmp_p
         assert torch.allclose(load(tmp_path / "m")(input_ids=ids).logits, ref, atol=1e-5)
         assert torch.allclose(stock(input_ids=ids).logits, ref, atol=1e-5)
     assert sum(p.numel() for p in stock.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+# ---- on-policy local tuning ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["neuron", "fusion", "svd"])
+def test_local_tuning_lowers_each_layers_error_below_the_closed_form_and_feeds_the_next_layer(arch, method):
+    model = tiny_model(arch)
+    calib = _blocks(64, 32)
+    reps, models = {}, {}
+    for epochs in (0.0, 8.0):
+        m = models[epochs] = copy.deepcopy(model)
+        reps[epochs] = fuse(m, FusionConfig(width=24, method=method, layers="all", local_epochs=epochs, local_lr=1e-3),
+                            calib_data=calib, progress=False)
+    assert all("local" not in s for s in reps[0.0]["sites"])
+    tuned = reps[8.0]["sites"]
+    for s in tuned:
+        loc = s["local"]
+        assert loc["steps"] == 16 and loc["seconds"] > 0 and loc["error_after"] <= loc["error_before"], (arch, s)
+    assert any(s["local"]["kept"] and s["local"]["error_after"] < s["local"]["error_before"] for s in tuned)
+    # layer 1 is compressed on what the tuned layer 0 produces, not on what the closed form alone gives
+    if tuned[0]["local"]["kept"]:
+        assert tuned[1]["error_rel"] != pytest.approx(reps[0.0]["sites"][1]["error_rel"], rel=1e-6)
+
+
+def test_local_tuning_that_does_not_help_is_undone_and_a_bfloat16_model_stays_bfloat16():
+    model = tiny_model("llama")
+    calib = _blocks(32, 32)
+    closed = copy.deepcopy(model)
+    fuse(closed, FusionConfig(width=24, method="neuron", layers="all"), calib_data=calib, progress=False)
+    wild = copy.deepcopy(model)  # a learning rate that can only diverge: every layer keeps its closed-form weights
+    rep = fuse(wild, FusionConfig(width=24, method="neuron", layers="all", local_epochs=4, local_lr=50.0),
+               calib_data=calib, progress=False)
+    assert all(not s["local"]["kept"] for s in rep["sites"])
+    assert all(torch.equal(a, b) for a, b in zip(closed.state_dict().values(), wild.state_dict().values()))
+    assert all(p.grad is None and p.requires_grad for p in wild.parameters())
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    rep = fuse(half, FusionConfig(width=24, method="neuron", layers="all", local_epochs=8, local_lr=1e-3),
+               calib_data=calib, progress=False)
+    assert all(t.dtype == torch.bfloat16 for t in half.state_dict().values() if t.is_floating_point())
+    assert any(s["local"]["kept"] and s["local"]["error_after"] < s["local"]["error_before"] for s in rep["sites"])
+
+
+def test_local_tuning_of_fisher_blocks_and_its_refusals():
+    from mlpsurgery.methods.pruning import prune
+    from mlpsurgery.methods.reconstruct.layer import refit_model_
+    from mlpsurgery.methods.reconstruct.local import tune_local_
+
+    model = tiny_model("llama")
+    small, _ = prune(model, "random", 0.5, parts="ffn", layers=[0, 1], blocks=4, progress=False)
+    infos = refit_model_(small, model, _blocks(64, 32), [0, 1], local_epochs=8, local_lr=1e-3)
+    assert all(infos[i]["local"]["error_after"] < infos[i]["local"]["error_before"] for i in (0, 1))
+    with pytest.raises(MLPSurgeryError, match="give calibration data"):
+        fuse(copy.deepcopy(model), FusionConfig(width=24, method="neuron", local_epochs=2), progress=False)
+    with pytest.raises(MLPSurgeryError, match="epochs >= 0"):
+        FusionConfig(local_epochs=-1).validate()
+    site = find_sites(model).mlp[0]
+    with pytest.raises(MLPSurgeryError, match="differ in shape"):
+        tune_local_(site, torch.zeros(8, 32), torch.zeros(8, 16), 1.0)

@@ -65,6 +65,8 @@ class CompareConfig:
     recover: str = "layerwise"  # layerwise (each MLP toward the original's output on captured inputs) | distill (the
     # whole model toward the original's next-token distribution, on-policy: methods/reconstruct/distill.py)
     recover_seconds: float | None = None  # stop each point's recovery after this many seconds
+    local_epochs: float = 0.0  # on-policy local tuning of each compressed layer in the calibration pass (fuse's
+    # methods and Fisher blocks; methods/reconstruct/local.py): gradient steps, recorded as the point's local tuning
     blocks: int = 12  # MLP chunks per layer for fisher / twist
     prompt_len: int = 256  # prefill length for the speed measurement
     new_tokens: int = 32  # decode steps
@@ -81,6 +83,11 @@ class CompareConfig:
             raise MLPSurgeryError("no methods chosen")
         if self.recover not in RECOVERY:
             raise MLPSurgeryError(f"recovery must be one of {', '.join(RECOVERY)}, not {self.recover!r}")
+        if self.local_epochs < 0 or self.local_epochs != self.local_epochs:
+            raise MLPSurgeryError(f"local tuning epochs must be >= 0, not {self.local_epochs}")
+        if self.local_epochs > 0 and self.data_free:
+            raise MLPSurgeryError("local tuning trains each layer on its calibration rows: drop --data-free or "
+                                  "--local-epochs")
         bad = [b for b in self.budgets if not 0 < b < 1]
         if bad or not self.budgets:
             raise MLPSurgeryError(f"budgets are fractions of the MLP kept, each in (0, 1), not {bad or 'none'}")
@@ -93,6 +100,8 @@ class CompareConfig:
         out = {k: getattr(self, k) for k in keep}
         if self.data_free:  # (absent when off: folders of the data-free default before it existed still resume)
             out["data_free"] = True
+        if self.local_epochs > 0:  # (absent when off, as data_free)
+            out["local_epochs"] = self.local_epochs
         if self.recover != "layerwise":
             out["recover"] = self.recover
             out["recover_seconds"] = self.recover_seconds
@@ -152,9 +161,11 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
     if method in FUSE_METHODS:
         m = copy.deepcopy(model)
         width = max(1, round(budget * _mlp_width(model, layers)))
-        fuse(m, FusionConfig(width=width, method=method, layers=",".join(map(str, layers)), n_init=1, seed=cfg.seed),
-             progress=False, calib_data=calib if aware else None)
-        return m, {"width": width, "data": "calibration, sequential" if aware else "none"}
+        report = fuse(m, FusionConfig(width=width, method=method, layers=",".join(map(str, layers)), n_init=1,
+                                      seed=cfg.seed, local_epochs=cfg.local_epochs if aware else 0.0),
+                      progress=False, calib_data=calib if aware else None)
+        info = {"width": width, "data": "calibration, sequential" if aware else "none"}
+        return m, {**info, **_local_info([r.get("local") for r in report["sites"]])}
     if method == "nsn":
         if "nested" not in cache:
             nested = copy.deepcopy(model)
@@ -181,15 +192,26 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
         if aware:  # the blocks chosen by their Fisher scores, then the down projections refit in sequence
             from .methods.reconstruct.layer import refit_model_
 
-            refit_model_(new, model, calib, layers)
+            fitted = refit_model_(new, model, calib, layers, local_epochs=cfg.local_epochs)
+            rep["local"] = _local_info([f.get("local") for f in fitted.values()])
         return new, {"keep": rep.get("keep"), "blocks": R,
-                     "data": "calibration, refit sequential" if aware else "calibration"}
+                     "data": "calibration, refit sequential" if aware else "calibration", **rep.get("local", {})}
     base, _, pattern = method.partition("-")
     m = copy.deepcopy(model)
     _, rep = prune(m, base, None if pattern else 1 - budget, parts="ffn", layers=layers, data=calib, progress=False,
                    pattern=pattern or None)
     return m, {"sparsity": rep.get("sparsity"), "pattern": rep.get("pattern"),
                "data": "none" if base == "magnitude" else "calibration, sequential"}
+
+
+def _local_info(rows: list[dict | None]) -> dict:
+    """The point's record of the local tuning of its layers (methods/reconstruct/local.py): {} when there was none."""
+    rows = [r for r in rows if r and r.get("steps")]
+    if not rows:
+        return {}
+    return {"local": {"epochs": rows[0]["epochs"], "steps": sum(r["steps"] for r in rows),
+                      "seconds": sum(r["seconds"] for r in rows), "layers_kept": sum(bool(r["kept"]) for r in rows),
+                      "layers": len(rows)}}
 
 
 def _zeros_in_linears(model: nn.Module) -> int:
@@ -395,6 +417,9 @@ def markdown(r: dict) -> str:
         rec = "-" if not p.get("recovery") else (f"{p['recovery'].get('kind') or 'layerwise'}, "
                                                  f"{p['recovery'].get('steps', '?')} steps, "
                                                  f"{p['recovery'].get('seconds') or 0:.0f} s")
+        if p.get("local"):
+            loc = f"local {p['local']['epochs']:g} epochs, {p['local']['steps']} steps, {p['local']['seconds']:.0f} s"
+            rec = loc if rec == "-" else f"{loc}; {rec}"
         lines.append(f"| {LABELS.get(p['method'], p['method'])} | {p['budget']:g} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "

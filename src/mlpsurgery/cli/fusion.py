@@ -42,6 +42,10 @@ def run_fuse(args) -> dict:
     if args.budget != "uniform" and (args.data_free or args.layerwise or world > 1 or args.method == "magnitude"):
         raise MLPSurgeryError("--budget per-layer is measured on calibration data with the whole model, which "
                               "--data-free, --layerwise, torchrun and magnitude do not do: drop it, or those")
+    if args.local_epochs > 0 and (args.data_free or world > 1 or args.method == "magnitude"
+                                  or (args.layerwise and not args.calib_data)):
+        raise MLPSurgeryError("--local-epochs tunes each layer on its calibration rows, which --data-free, torchrun, "
+                              "magnitude and --layerwise without --calib-data do not have: drop it, or those")
     if args.method == "magnitude" and args.calib_data:
         raise MLPSurgeryError("magnitude pruning is data-free: drop --calib-data (or use `prune --method wanda`)")
 
@@ -57,7 +61,7 @@ def run_fuse(args) -> dict:
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
                        device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
                        tune_lr=args.tune_lr, calibration=args.calibration, refit=not args.no_refit,
-                       budget=args.budget)
+                       budget=args.budget, local_epochs=args.local_epochs, local_lr=args.local_lr)
     cfg.validate()
     t0 = time.perf_counter()
     if args.layerwise:
@@ -305,6 +309,11 @@ def register(sub, groups) -> None:
     p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
                    help="uniform: every chosen layer at --width; per-layer: the same total width, each layer's chosen "
                         "by its measured effect on the model's output (calibrated mode only)")
+    p.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
+                   help="on-policy local tuning: after its refit, each layer's MLP trained E epochs over its "
+                        "calibration rows toward the original's output on them (gradient steps; 0: one-shot, default; "
+                        "8 is what docs/calibration.md measured)")
+    p.add_argument("--local-lr", type=number(0), default=3e-3, help="Adam learning rate of the local tuning (3e-3)")
     p.add_argument("--no-refit", action="store_true",
                    help="keep the narrowed MLP's down projection as the method makes it (no least-squares refit)")
     p.add_argument("--data-free", action="store_true",

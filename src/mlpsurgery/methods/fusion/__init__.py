@@ -54,6 +54,7 @@ from .compress import _mmd_support, compress_site, draw_layer, mmd_draws
 from .config import DEFAULT_LAYERS, METHODS, FusionConfig
 from .kmeans import KMeansResult, kmeans
 from .neurons import cluster_means, neuron_vectors, weights_from_neurons
+from ..reconstruct.local import subblock_rows, tune_local_
 from .probes import _ErrorProbes, count_after
 from .tuning import _gather_layers, site_params, split_share, tune_layers
 
@@ -119,6 +120,9 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     if cfg.budget != "uniform":
         raise MLPSurgeryError("a per-layer budget is measured on calibration data: give it (--calib-data), or keep "
                               "the uniform budget")
+    if cfg.local_epochs > 0:
+        raise MLPSurgeryError("local tuning trains each layer on its calibration rows: give calibration data "
+                              "(--calib-data), or drop --local-epochs")
     own = split_share(layers, tune_data is not None)
     digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
     if world > 1:
@@ -177,8 +181,14 @@ def calibrated_layer(site, width: int, cfg: FusionConfig, gen: torch.Generator, 
     probe = x[torch.linspace(0, len(x) - 1, min(len(x), _ErrorProbes.PROBE_ROWS)).long()]
     with torch.no_grad():
         ref = site.subblock(probe).float()
+    goal = None
+    if cfg.local_epochs > 0:  # what the tuning aims at: the refit's target, else the original sub-block on x
+        goal = target if target is not None else subblock_rows(site, x)
     row = compress_site(site, width, cfg, gen, progress=False, calib=x, target=target)
     count_after(site, row)
+    if goal is not None:
+        row["local"] = tune_local_(site, x, goal, cfg.local_epochs, cfg.local_lr, seed=cfg.seed + site.index)
+        del goal
     if probes is not None:
         row["error_rel"] = probes.error(site.index)
     else:

@@ -44,6 +44,11 @@ class FusionConfig:
     calib_batch: int = 8  # calibration blocks per forward
     budget: str = "uniform"  # uniform: every layer at width k | per-layer: the same total width, each layer's by its
     # measured sensitivity (methods/reconstruct/budget.py; needs calibration data)
+    # on-policy local tuning (methods/reconstruct/local.py; needs calibration data): after its compression and refit,
+    # each layer's MLP trained this many epochs over its calibration rows toward the original sub-block's output on
+    # them (Adam, local_lr, cosine), before the next layer is calibrated on what it produces. 0: one-shot (default)
+    local_epochs: float = 0.0
+    local_lr: float = 3e-3
     tune_steps: int | None = None  # layer-wise tuning steps; None: one epoch over the tune tokens
     tune_lr: float = 1e-3
     tune_batch: int = 512  # token rows per tuning step
@@ -57,6 +62,9 @@ class FusionConfig:
             raise MLPSurgeryError(f"budget must be one of {', '.join(BUDGETS)}, not {self.budget!r}")
         if self.calibration not in CALIBRATION:
             raise MLPSurgeryError(f"calibration must be one of {', '.join(CALIBRATION)}, not {self.calibration!r}")
+        if not (self.local_epochs >= 0 and self.local_epochs < float("inf")) or self.local_lr <= 0:
+            raise MLPSurgeryError(f"local tuning needs epochs >= 0 and a learning rate > 0, not {self.local_epochs} "
+                                  f"and {self.local_lr}")
         if self.n_init < 1 or self.max_iter < 1:
             raise MLPSurgeryError("n_init and max_iter must be at least 1")
 

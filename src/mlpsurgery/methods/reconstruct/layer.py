@@ -18,6 +18,7 @@ from ...modules.fused import TruncatedSVDLinear
 from ...errors import MLPSurgeryError
 from ...sites import MLPSite, MLPWeights, linear_weight
 from .refit import RIDGE, refit_down, refit_stats, solve_down
+from .local import LOCAL_LR, subblock_rows, tune_local_
 from .whiten import whitened_factors
 
 CHUNK = 4096
@@ -120,11 +121,14 @@ def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True) -> li
 
 
 def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: list[int],
-                 progress: bool = False) -> dict[int, dict]:
+                 progress: bool = False, local_epochs: float = 0.0, local_lr: float | None = None,
+                 seed: int = 0) -> dict[int, dict]:
     """Refit, in sequence, the down projection of each chosen (narrowed) MLP of `model`, a compressed copy of
     `original`, to the original MLP's output on the inputs `model` itself produces there (sequential calibration):
     the compensation for a compressor that narrows without data (Fisher blocks, a random subnet). In place; returns
-    each layer's relative output error before and after on its calibration inputs."""
+    each layer's relative output error before and after on its calibration inputs. local_epochs > 0: each layer is
+    then tuned on its rows toward the original sub-block's output (local.py) before the next is calibrated; its
+    record under "local"."""
     from ...sites import find_sites
     from .sequential import sequential
 
@@ -136,10 +140,14 @@ def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: l
         if site.replaced:
             if not hasattr(site.module, "to_mlp_weights") or not hasattr(site.module, "down"):
                 raise MLPSurgeryError(f"layer {i}: {type(site.module).__name__} has no down projection to refit")
-            return refit_module_(site.module, target, xin)
-        fitted, info = refit_down(site.read(), target, xin)
-        if info["refit"]:
-            site.write(fitted)
+            info = refit_module_(site.module, target, xin)
+        else:
+            fitted, info = refit_down(site.read(), target, xin)
+            if info["refit"]:
+                site.write(fitted)
+        if local_epochs > 0:
+            goal = subblock_rows(originals.mlp[i], x)
+            info["local"] = tune_local_(site, x, goal, local_epochs, local_lr or LOCAL_LR, seed=seed + i)
         return info
 
     return sequential(model, calib, layers, work, progress=progress, desc="refit")
