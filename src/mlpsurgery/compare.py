@@ -192,7 +192,7 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
         if aware:  # the blocks chosen by their Fisher scores, then the down projections refit in sequence
             from .methods.reconstruct.layer import refit_model_
 
-            fitted = refit_model_(new, model, calib, layers, local_epochs=cfg.local_epochs)
+            fitted = refit_model_(new, model, calib, layers, local_epochs=cfg.local_epochs, seed=cfg.seed)
             rep["local"] = _local_info([f.get("local") for f in fitted.values()])
         return new, {"keep": rep.get("keep"), "blocks": R,
                      "data": "calibration, refit sequential" if aware else "calibration", **rep.get("local", {})}

@@ -6,6 +6,8 @@
   original MLP's output (FLAP, SlimGPT);
 - obs.py: which neurons to keep when the refit follows -- greedy structured optimal brain surgeon (ZipLM);
 - whiten.py: whitened, truncation-aware SVD (SVD-LLM) for the svd baseline and NSN's nested start;
+- local.py: on-policy local tuning -- a compressed layer's MLP trained on its calibration rows toward the original
+  sub-block's output before the next layer is calibrated (gradient steps, an option: `local_epochs`);
 - layer.py: the per-MLP pieces the methods call (MLP inputs, second moments, refit of a module, whitened SVD of a site).
 
 Methods use these through their own entry points: `fuse(..., calib_data=...)`, `nest(..., calib_data=...)`."""
