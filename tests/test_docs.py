@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 # paths named in prose or commands: docs/results/..., docs/img/..., benchmarks/....py (from the repository root)
-NAMED = re.compile(r"(?<![\w/.-])((?:docs/(?:results|img|notes)/|benchmarks/)[\w./-]+\.(?:json|md|png|py|sh))")
+NAMED = re.compile(r"(?<![\w/.-])((?:docs/(?:results|img|notes)/|benchmarks/)[\w./-]+\.(?:jsonl|json|md|png|py|sh))(?![\w-])")
 
 
 def _pages():
