@@ -189,13 +189,14 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
             raise MLPSurgeryError(f"MLP width {h} does not split into 2..{cfg.blocks} equal chunks; set --blocks")
         new, rep = prune(model, "fisher", 1 - budget, parts="ffn", layers=layers, data=calib, blocks=R,
                          progress=False)
+        local = {}
         if aware:  # the blocks chosen by their Fisher scores, then the down projections refit in sequence
             from .methods.reconstruct.layer import refit_model_
 
             fitted = refit_model_(new, model, calib, layers, local_epochs=cfg.local_epochs, seed=cfg.seed)
-            rep["local"] = _local_info([f.get("local") for f in fitted.values()])
+            local = _local_info([f.get("local") for f in fitted.values()])
         return new, {"keep": rep.get("keep"), "blocks": R,
-                     "data": "calibration, refit sequential" if aware else "calibration", **rep.get("local", {})}
+                     "data": "calibration, refit sequential" if aware else "calibration", **local}
     base, _, pattern = method.partition("-")
     m = copy.deepcopy(model)
     _, rep = prune(m, base, None if pattern else 1 - budget, parts="ffn", layers=layers, data=calib, progress=False,

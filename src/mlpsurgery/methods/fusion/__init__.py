@@ -120,9 +120,7 @@ def fuse(model: nn.Module, config: FusionConfig | None = None, tune_data: Tensor
     if cfg.budget != "uniform":
         raise MLPSurgeryError("a per-layer budget is measured on calibration data: give it (--calib-data), or keep "
                               "the uniform budget")
-    if cfg.local_epochs > 0:
-        raise MLPSurgeryError("local tuning trains each layer on its calibration rows: give calibration data "
-                              "(--calib-data), or drop --local-epochs")
+    cfg.check_calibrated(False)
     own = split_share(layers, tune_data is not None)
     digest = None if tune_data is None else hashlib.sha256(tune_data.cpu().numpy().tobytes()).hexdigest()
     if world > 1:

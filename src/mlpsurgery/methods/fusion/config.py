@@ -68,3 +68,8 @@ class FusionConfig:
         if self.n_init < 1 or self.max_iter < 1:
             raise MLPSurgeryError("n_init and max_iter must be at least 1")
 
+    def check_calibrated(self, calibrated: bool) -> None:
+        """Refuse local tuning where there are no calibration rows to tune on (whole model and layer by layer)."""
+        if self.local_epochs > 0 and not calibrated:
+            raise MLPSurgeryError("local tuning trains each layer on its calibration rows: give calibration data "
+                                  "(--calib-data), or drop --local-epochs")

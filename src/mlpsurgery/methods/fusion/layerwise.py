@@ -70,9 +70,7 @@ def check_layerwise(cfg: FusionConfig, tune: bool = False, calibrated: bool = Fa
     if calibrated and (cfg.budget != "uniform" or cfg.calibration == "corrective"):
         raise MLPSurgeryError("the per-layer budget and the corrective calibration run the whole model: drop "
                               "--layerwise, or use --budget uniform and --calibration sequential / original")
-    if not calibrated and cfg.local_epochs > 0:
-        raise MLPSurgeryError("local tuning trains each layer on its calibration rows: give calibration data "
-                              "(--calib-data), or drop --local-epochs")
+    cfg.check_calibrated(calibrated)
     if calibrated and parallel.world()[1] > 1:
         raise MLPSurgeryError("the data-aware fuse runs in one process: drop torchrun, or compress data-free")
     if cfg.method not in METHODS:

@@ -55,7 +55,7 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
         return {"steps": 0, "seconds": 0.0}
     t0 = time.perf_counter()
     # float32 for the tuning: every tensor of the MLP's modules and of the norms its sub-block runs through
-    mods = list(site.modules()) + [m for m in (site.pre_norm, getattr(site, "inner_post_norm", None)) if m is not None]
+    mods = list(site.modules()) + [m for m in (site.pre_norm, site.inner_post_norm) if m is not None]
     tensors, seen = [], set()
     for m in mods:
         for t in list(m.parameters()) + list(m.buffers()):

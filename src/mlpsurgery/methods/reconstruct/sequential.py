@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ...errors import MLPSurgeryError
 from ...sites import find_sites
+from .local import subblock_rows
 
 
 class _Stop(Exception):
@@ -112,7 +113,7 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
                     extra = ()
                     if ref_hidden is not None:
                         x_ref = torch.cat(ref_rows)
-                        extra = (x_ref, _subblock(sites.mlp[j], x_ref))
+                        extra = (x_ref, subblock_rows(sites.mlp[j], x_ref))
                     with torch.enable_grad():  # the work may fit (k-means, MMD) with autograd
                         results[j] = work(j, torch.cat(rows), *extra)
                     del rows, ref_rows, extra
@@ -124,8 +125,3 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
     finally:
         model.train(was_training)
     return results
-
-
-def _subblock(site, x: Tensor) -> Tensor:
-    """What the (still original) sub-block adds to the rows x, float32, chunk by chunk."""
-    return torch.cat([site.subblock(x[s:s + 4096]).float() for s in range(0, len(x), 4096)])
