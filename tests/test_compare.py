@@ -114,10 +114,10 @@ def test_compare_with_local_tuning_records_it_per_point_and_a_rerun_without_it_i
                               "--budgets", "0.5", "--local-epochs", "2", "--no-models", "--json", *SMALL], capsys)
     assert code == 0, err
     points = {p["method"]: p for p in json.loads(stdout)["points"]}
-    for m in ("neuron", "fisher"):  # every chosen layer tuned, its steps and seconds recorded
+    for m in ("neuron", "fisher", "nsn"):  # every chosen layer tuned, its steps and seconds recorded
         loc = points[m]["local"]
         assert loc["epochs"] == 2 and loc["layers"] == 1 and loc["steps"] > 0 and loc["seconds"] > 0, points[m]
-    assert "local" not in points["nsn"]  # (nesting is trained by NSN's own multi-rank training, not here)
+    assert "sequential" in points["nsn"]["data"]  # NSN's layers nested in sequence, tuned at every rank at once
     assert "local 2 epochs" in (out / "frontier.md").read_text()
     code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--budgets", "0.5",
                          "--no-models", *SMALL], capsys)

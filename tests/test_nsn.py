@@ -375,3 +375,63 @@ def test_update_counts_say_how_often_each_rank_moved_its_log_variance(tokenizer)
     assert sum(res.updates.values()) == 6 and nsn.training_updates(model) == res.updates
     never = [r for r, c in res.updates.items() if c == 0]
     assert all(res.log_var[r] == 0.0 for r in never)
+
+
+# ---- multi-rank local tuning of the nested start (methods/nsn/local.py) --------------------------------------------
+
+@pytest.mark.parametrize("arch", EXPORT_ARCHS)
+def test_local_tuning_lowers_every_layers_multi_rank_error_and_the_folder_stays_an_nsn_checkpoint(arch, tmp_path):
+    from mlpsurgery.io.provenance import history
+    from mlpsurgery.methods.nsn.local import nest_tuned
+
+    model = tiny_model(arch)
+    calib = torch.randint(3, 250, (64, 32), generator=torch.Generator().manual_seed(0))
+    cfg = nsn.NSNConfig()
+    plain = nest_tuned(copy_of(model), cfg, calib, epochs=0.0)  # the sequential whitened start alone
+    tuned_model = copy_of(model)
+    rep = nest_tuned(tuned_model, cfg, calib, epochs=8, lr=1e-3)
+    assert all(r["steps"] == 0 for r in plain["layers"])
+    for r in rep["layers"]:
+        assert r["ranks"] == sorted(set(r["ranks"])) and len(r["ranks"]) > 2 and r["steps"] == 16
+        assert len(r["error_before"]) == len(r["ranks"]) == len(r["error_after"])
+        weighted = sum((a / b) ** 2 for a, b in zip(r["error_after"], r["error_before"])) / len(r["ranks"])
+        assert weighted <= 1 + 1e-9 and (weighted < 1) == r["kept"], r
+    assert any(r["kept"] for r in rep["layers"])
+    layers = nsn.nested_linears(tuned_model)
+    assert layers and all(m.rank == m.max_rank for m in layers.values())  # left at full rank, as nest leaves it
+    # through `nest`: recorded in the history, saved and reloaded with its weights, its rank switchable
+    again = copy_of(model)
+    nsn.nest(again, cfg, calib_data=calib, local_epochs=8, local_lr=1e-3)
+    local = history(again)[-1]["provenance"]["local"]
+    assert local["epochs"] == 8 and local["steps"] == 16 * len(rep["layers"]) and local["layers"] == len(rep["layers"])
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), tuned_model.state_dict().values()))
+    save(again, tmp_path / "m")
+    back = load(tmp_path / "m")
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+    for r in (2, 8):
+        nsn.set_rank(again, r)
+        nsn.set_rank(back, r)
+        with torch.no_grad():
+            assert torch.allclose(outputs(back, ids), outputs(again, ids), atol=1e-5)
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_local_tuning_refusals(tmp_path, capsys):
+    model = tiny_model("llama")
+    calib = torch.randint(3, 250, (8, 16))
+    with pytest.raises(MLPSurgeryError, match="give calibration data"):
+        nsn.nest(copy_of(model), nsn.NSNConfig(), local_epochs=2)
+    with pytest.raises(MLPSurgeryError, match="--modules mlp"):
+        nsn.nest(copy_of(model), nsn.NSNConfig(modules="mlp+attn"), calib_data=calib, local_epochs=2)
+    with pytest.raises(MLPSurgeryError, match=">= 0"):
+        nsn.nest(copy_of(model), nsn.NSNConfig(), calib_data=calib, local_epochs=-1)
+    for extra in (["--data-free"], ["--layerwise"], ["--modules", "mlp+attn"]):
+        out = tmp_path / "n"
+        assert main(["nest", "tiny:llama", "--out", str(out), "--local-epochs", "2", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "local" in err and err.strip().count("\n") == 0 and not out.exists(), (extra, err)

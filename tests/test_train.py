@@ -147,6 +147,17 @@ def test_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(f[9:], f[10:])) and f[-1] < 0.01
 
 
+def test_a_time_budget_moves_the_cosine_on_the_clock_and_stops_the_run():
+    cfg = FitConfig(steps=100, warmup=0.1, seconds=10.0)
+    assert lr_factor(cfg, 20, elapsed=0.0) == pytest.approx(lr_factor(FitConfig(steps=100, warmup=0.1), 20))
+    assert lr_factor(cfg, 20, elapsed=5.0) == pytest.approx(0.5)  # half the time gone: the cosine's midpoint
+    assert lr_factor(cfg, 20, elapsed=10.0) == pytest.approx(0.0) and lr_factor(cfg, 5, elapsed=10.0) > 0  # warm-up
+    w = torch.nn.Parameter(torch.ones(3))
+    res = fit({"w": w}, lambda step: (w ** 2).sum(), FitConfig(steps=50, seconds=0.0), progress=False)
+    assert res.stopped_early and "time budget" in res.stopped_early and not res.history
+    assert torch.equal(w.detach(), torch.ones(3))
+
+
 def test_checkpoint_roundtrip_nested(tmp_path):
     state = {"a": torch.arange(3), "b": {1: [torch.ones(2), 0.5, None, "x"], "t": (1, 2)}, "inf": float("inf")}
     save_checkpoint(tmp_path / "c", state)

@@ -66,7 +66,8 @@ class CompareConfig:
     # whole model toward the original's next-token distribution, on-policy: methods/reconstruct/distill.py)
     recover_seconds: float | None = None  # stop each point's recovery after this many seconds
     local_epochs: float = 0.0  # on-policy local tuning of each compressed layer in the calibration pass (fuse's
-    # methods and Fisher blocks; methods/reconstruct/local.py): gradient steps, recorded as the point's local tuning
+    # methods, Fisher blocks, NSN at every rank at once; methods/reconstruct/local.py, methods/nsn/local.py):
+    # gradient steps, recorded as the point's local tuning
     blocks: int = 12  # MLP chunks per layer for fisher / twist
     prompt_len: int = 256  # prefill length for the speed measurement
     new_tokens: int = 32  # decode steps
@@ -170,13 +171,21 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
         if "nested" not in cache:
             nested = copy.deepcopy(model)
             nsn.nest(nested, nsn.NSNConfig(modules="mlp", layers=",".join(map(str, layers))),
-                     calib_data=calib if aware else None)
+                     calib_data=calib if aware else None, local_epochs=cfg.local_epochs if aware else 0.0,
+                     seed=cfg.seed)
             cache["nested"] = nested
         m = copy.deepcopy(cache["nested"])
         got = nsn.set_budget(m, budget)
         nsn.truncate(m)  # the deployed form: only the components up to the rank are kept
+        from .io.provenance import history
+
+        tuned = next(h for h in reversed(history(m)) if h["method"] == "nsn")["provenance"].get("local")  # one
+        # tuning (every rank at once) serves every budget's point; each point records it
         return m, {"rank": got["rank"], "mlp_flops_fraction": got["fraction"],
-                   "data": "calibration (whitened start)" if aware else "none"}
+                   "data": ("calibration (whitened start, sequential)" if tuned else "calibration (whitened start)")
+                   if aware else "none",
+                   **({"local": {k: tuned[k] for k in ("epochs", "steps", "seconds", "layers_kept", "layers")}}
+                      if tuned else {})}
     if method == "twist":  # the chunking it was trained with
         R = int(trained_settings(model).get("blocks") or cfg.blocks)
         keep = max(1, round(budget * R))

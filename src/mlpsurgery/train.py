@@ -47,6 +47,8 @@ class FitConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     extra: dict = field(default_factory=dict)  # method-specific settings recorded with the run
+    seconds: float | None = None  # a time budget: the run stops once it is spent, and the cosine runs on whichever
+    # of the steps or the clock is further along, so the learning rate reaches its floor when either ends
 
 
 def step_rng(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -54,13 +56,17 @@ def step_rng(seed: int, step: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 31 + stream)
 
 
-def lr_factor(cfg: FitConfig, step: int) -> float:
+def lr_factor(cfg: FitConfig, step: int, elapsed: float = 0.0) -> float:
+    """The learning rate of `step` as a fraction of cfg.lr; `elapsed` (seconds of training so far) moves the cosine
+    along when cfg.seconds is the tighter budget."""
     warm = max(1, int(round(cfg.warmup * cfg.steps))) if cfg.warmup > 0 else 0
     if step < warm:
         return (step + 1) / warm
     if cfg.schedule == "constant":
         return 1.0
     progress = (step - warm) / max(1, cfg.steps - warm)
+    if cfg.seconds:
+        progress = max(progress, elapsed / cfg.seconds)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -380,6 +386,9 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
             raise MLPSurgeryError("in one process a partitioned training takes every parameter of the partition")
         names = [n for n in order if n in set(names)]  # one process's order within each share
     distributed = sharded or partitioned
+    if distributed and cfg.seconds is not None:  # the ranks' clocks differ: one would stop while the others wait
+        raise MLPSurgeryError("a time budget (seconds) stops a run on one process's clock; give sharded or "
+                              "partitioned training a number of steps instead")
     grouped = set()
     groups = []
     for g in optimizer_groups or []:
@@ -394,7 +403,8 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     history: list[dict] = []
     start, elapsed = 0, 0.0
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
-    identity = json.loads(json.dumps({"fit": {k: v for k, v in asdict(cfg).items() if k not in _NO_EFFECT},
+    identity = json.loads(json.dumps({"fit": {k: v for k, v in asdict(cfg).items()
+                                              if k not in _NO_EFFECT and not (k == "seconds" and v is None)},
                                       **(settings or {})}, sort_keys=True, default=str))
     state = load_checkpoint(ckpt) if ckpt else None
     if state is not None:
@@ -469,8 +479,10 @@ def fit(params: dict[str, nn.Parameter], loss_fn: Callable[[int], Tensor | tuple
     try:
         for step in range(start, cfg.steps):
             began = time.perf_counter()
+            if cfg.seconds is not None and began - t0 >= cfg.seconds:
+                raise StopTraining(f"the time budget of {cfg.seconds:g} s was spent")
             rng_next = rng_state()
-            f = lr_factor(cfg, step)
+            f = lr_factor(cfg, step, began - t0)
             for g, lr in zip(opt.param_groups, base_lrs):
                 g["lr"] = lr * f
             out = loss_fn(step)

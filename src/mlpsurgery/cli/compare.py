@@ -67,7 +67,8 @@ def register(sub, groups) -> None:
                         "own activations, batches of 4 train blocks)")
     p.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
                    help="on-policy local tuning of every compressed layer of fuse's methods and Fisher blocks in the "
-                        "calibration pass (E epochs over its rows; gradient steps, recorded per point; 0: none)")
+                        "calibration pass, and of NSN's nested MLPs at every rank at once (E epochs over its rows; "
+                        "gradient steps, recorded per point; 0: none)")
     p.add_argument("--recover-seconds", type=number(0, low_open=True),
                    help="stop each point's recovery after this many seconds (steps done are recorded)")
     p.add_argument("--recover-lr", type=number(0, 1, low_open=True),

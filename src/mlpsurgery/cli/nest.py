@@ -28,7 +28,8 @@ ACTIONS = ("rank", "sweep")
 # The options each form accepts (argparse dests); the others must keep their defaults.
 TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
               "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
-              "seed", "checkpoint", "overwrite", "layerwise", "calib_data", "calib_blocks", "calib_len", "data_free"}
+              "seed", "checkpoint", "overwrite", "layerwise", "calib_data", "calib_blocks", "calib_len", "data_free",
+              "local_epochs", "local_lr"}
 RANK_OPTS = {"out", "rank", "budget", "form", "overwrite", "layerwise"}
 SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
 
@@ -93,6 +94,10 @@ def run_nest(args) -> dict:
         ranks=_ranks(args.ranks), n_ranks=args.n_ranks, objective=args.objective, sampling=args.sampling,
         curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
+    if args.local_epochs and (args.layerwise or args.data_free or parallel.launched()):
+        what = "--layerwise" if args.layerwise else "--data-free" if args.data_free else "torchrun"
+        raise MLPSurgeryError(f"--local-epochs tunes each nested MLP on calibration rows in one process with the model "
+                              f"in memory, which {what} does not give: drop {what} or --local-epochs")
     if args.layerwise:
         return _nest_layerwise(args, cfg)
     device = device_of(args)
@@ -104,7 +109,8 @@ def run_nest(args) -> dict:
                          block_len=args.block_len or 128, max_len=args.max_len, checkpoint_dir=args.checkpoint,
                          overwrite=args.overwrite, device=device, progress=progress(args), calib_data=args.calib_data,
                          calib_blocks=args.calib_blocks, calib_len=args.calib_len,
-                         data_free=args.data_free or parallel.launched())
+                         data_free=args.data_free or parallel.launched(), local_epochs=args.local_epochs,
+                         local_lr=args.local_lr)
     return {"action": "train", **out}
 
 
@@ -174,6 +180,10 @@ def render(r: dict) -> str:
         return "\n".join(lines)
     lines = [f"nested {r['projections']} projections of {r['model']} (max rank {r['max_rank']}; full rank costs "
              f"{r['full_rank_flops_fraction']:.3f}x their dense FLOPs) -> {r['out']}"]
+    loc = r.get("local")
+    if loc:
+        lines.append(f"local tuning at every rank at once: {loc['epochs']:g} epochs, {loc['steps']} steps in "
+                     f"{loc['seconds']:.0f} s; kept in {loc['layers_kept']} of {loc['layers']} layers")
     t = r.get("train")
     if t:
         lines.append(f"trained {t['steps']} steps ({t['objective']}, {t['sampling']}) on ranks {t['ranks']} in "
@@ -222,6 +232,11 @@ def register(sub, groups) -> None:
                    help=f"tokens per calibration block ({CALIB_LEN})")
     g.add_argument("--data-free", action="store_true", help="the paper's plain SVD start, no calibration data (what "
                    "torchrun does, and --layerwise unless --calib-data is given)")
+    g.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
+                   help="after the whitened start, tune each nested MLP E epochs on its calibration rows toward the "
+                        "original MLP's output, at ranks from 25%% to 100%% of its dense FLOPs at once, layer after "
+                        "layer on what the tuned layers before it produce (gradient steps; 0: none)")
+    g.add_argument("--local-lr", type=number(0, low_open=True), help="learning rate of --local-epochs (3e-3)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")

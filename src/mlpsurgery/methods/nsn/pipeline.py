@@ -11,6 +11,7 @@ from torch import nn
 
 from ...errors import MLPSurgeryError
 from ...io import check_out
+from ...io.provenance import history
 from ...report import ends_stages, stage
 from ..reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .surgery import NSNConfig, _require_nested, check_config, max_rank, nest, nest_layer, nested_linears
@@ -38,12 +39,13 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                checkpoint_dir: str | Path | None = None, overwrite: bool = False, device: str = "cpu",
                progress: bool = True, calib_data: str | None = None, calib_blocks: int = CALIB_BLOCKS,
                calib_len: int = CALIB_LEN,
-               data_free: bool = False) -> dict:
+               data_free: bool = False, local_epochs: float = 0.0, local_lr: float | None = None) -> dict:
     """Load MODEL, nest it, train it with the multi-rank objective when train.fit.steps > 0 (language
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
 
     The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data's train split (the bundled
-    Austen by default; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2).
+    Austen by default; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2). local_epochs > 0:
+    then each nested MLP tuned at every rank at once on its calibration rows, layer after layer (local.py).
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
@@ -65,6 +67,12 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         raise MLPSurgeryError("under torchrun `nest` shards its training over the ranks: give --train-steps N, or run "
                               "it as one process")
     progress = progress and rank == 0
+    if local_epochs and (data_free or world > 1):
+        raise MLPSurgeryError("--local-epochs tunes each nested MLP on calibration rows in one process: drop it, or "
+                              + ("drop --data-free" if data_free else "run `nest` without torchrun"))
+    if local_epochs and cfg.modules != "mlp":
+        raise MLPSurgeryError("--local-epochs tunes the nested MLPs toward the original's output: use --modules mlp "
+                              "with it")
 
     for given in (data, calib_data):  # a FIFO or a device as data is refused before any work, not waited on
         check_data(given)
@@ -105,9 +113,13 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         stage(f"reading the calibration text {calib_data or 'austen (train split)'} for the whitened start", progress)
         calib = text_blocks(calib_data, loaded.require_tokenizer(), block_len=calib_len, max_blocks=calib_blocks,
                             seed=train.fit.seed if train else 0)
-    nest(model, cfg, progress=progress, calib_data=calib)
+    nest(model, cfg, progress=progress, calib_data=calib, local_epochs=local_epochs, local_lr=local_lr,
+         seed=train.fit.seed if train else 0)
+    local = history(model)[-1]["provenance"].get("local")
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
-                    "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)",
+                    "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)"
+                    + (", sequential, multi-rank local tuning" if local else ""),
+                    **({"local": local} if local else {}),
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"]}
     if steps > 0:

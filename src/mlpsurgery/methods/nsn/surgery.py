@@ -109,22 +109,41 @@ def input_moments_of(model: nn.Module, slots: list[_Slot], calib: Tensor, batch_
 
 
 def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
-         calib_data: Tensor | None = None) -> nn.Module:
+         calib_data: Tensor | None = None, local_epochs: float = 0.0, local_lr: float | None = None,
+         seed: int = 0) -> nn.Module:
     """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
     progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections).
     calib_data ((N, T) token blocks): the whitened start -- each projection factorised in the metric of its inputs on
     these blocks (the original model's, measured in one pass before any change), so that every rank is the best of its
-    size for the outputs the layer really produces; without it the plain SVD (the paper's B.2)."""
+    size for the outputs the layer really produces; without it the plain SVD (the paper's B.2).
+    local_epochs > 0 (needs calib_data, --modules mlp): layer by layer, the whitened start on the rows the nested
+    layers before it produce, then `local_epochs` epochs of multi-rank local tuning toward the original MLP's output
+    (local.py); its report is recorded in the model's surgery record under "local"."""
     from tqdm.auto import tqdm
 
     cfg = cfg or NSNConfig()
     check_config(cfg)
+    if local_epochs != local_epochs or local_epochs < 0:
+        raise MLPSurgeryError(f"local tuning epochs must be a number >= 0, not {local_epochs}")
+    if local_epochs > 0 and calib_data is None:
+        raise MLPSurgeryError("local tuning trains each nested MLP on calibration rows: give calibration data (drop "
+                              "--data-free) or drop --local-epochs")
     layers = parse_layers(cfg.layers, len(find_sites(model)))
     slots = list(_slots(model, cfg.modules, layers))
     done = [f"layer {s.index} {s.role}" for s in slots if isinstance(s.module, NestedLinear)]
     if done:
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
+    if local_epochs > 0:
+        from .local import nest_tuned
+
+        report = nest_tuned(model, cfg, calib_data, local_epochs, local_lr, progress=progress, seed=seed)
+        summary = {k: report[k] for k in ("epochs", "lr", "fractions", "steps", "seconds")}
+        summary["layers_kept"] = sum(bool(r.get("kept")) for r in report["layers"])
+        summary["layers"] = len(report["layers"])
+        record(model, "nsn", asdict(cfg), projections=len(slots), calib_tokens=int(calib_data.numel()),
+               init="whitened svd, sequential, multi-rank local tuning", local=summary)
+        return model
     moments = {}
     if calib_data is not None and slots:
         moments = input_moments_of(model, slots, calib_data)

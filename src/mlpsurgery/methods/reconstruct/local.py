@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -36,12 +37,18 @@ def _error(site, x: Tensor, ref: Tensor, idx: Tensor) -> float:
 
 
 def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_LR, batch: int = LOCAL_BATCH,
-                seed: int = 0) -> dict:
+                seed: int = 0, settings: Sequence[Callable[[], None]] | None = None) -> dict:
     """Train the parameters of the (compressed) MLP at `site` in place so that its sub-block's output on the residual
     rows x (n, d) matches ref (n, d), the original sub-block's output on the same rows: relative squared error,
     Adam, `epochs` passes of random batches of `batch` rows, the learning rate on a cosine to zero. Parameters in a
     low-precision dtype are tuned in float32 and rounded back once. Returns the steps, the seconds and the relative
-    error on every 8th row before and after (the closed-form weights are restored if it rose)."""
+    error on every 8th row before and after (the closed-form weights are restored if it rose).
+
+    settings: several configurations of the same weights trained at once (a nested MLP at several ranks: each a
+    function that switches the MLP to it). Each step draws one uniformly and weighs its loss by 1 / its error before
+    tuning (squared), so that every setting's relative improvement counts alike (NSN's uncertainty weighting, with
+    the variances fixed at the start); the tuning is kept when the mean of those weighted errors fell. The errors are
+    then lists, one per setting, and the MLP is left in the last setting drawn: the caller chooses the one to keep."""
     if epochs < 0 or not math.isfinite(epochs):
         raise MLPSurgeryError(f"local tuning epochs must be a finite number >= 0, not {epochs}")
     if lr <= 0 or batch < 1:
@@ -71,8 +78,20 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
     device = params[0].device
     x, ref = x.to(device, torch.float32), ref.to(device, torch.float32)
     probe = torch.arange(0, n, 8, device=device)
+    configs = list(settings) if settings else [lambda: None]
+
+    def errors() -> list[float]:
+        out = []
+        for choose in configs:
+            choose()
+            out.append(_error(site, x, ref, probe))
+        return out
+
     try:
-        before = _error(site, x, ref, probe)
+        before = errors()
+        # one setting: the plain relative error; several: each weighed by its start (an exact one, error 0, is held
+        # near exact rather than divided by 0)
+        scale = [max(e, 1e-6) ** 2 for e in before] if settings else [1.0]
         for p in params:
             p.requires_grad_(True)
         for p in frozen:
@@ -84,13 +103,16 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
                 for group in opt.param_groups:
                     group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
                 idx = torch.randint(0, n, (min(batch, n),), generator=gen).to(device)
+                k = int(torch.randint(0, len(configs), (1,), generator=gen)) if len(configs) > 1 else 0
+                configs[k]()
                 out = site.subblock(x[idx]).float()
-                loss = (out - ref[idx]).pow(2).sum() / ref[idx].pow(2).sum().clamp_min(1e-30)
+                loss = (out - ref[idx]).pow(2).sum() / ref[idx].pow(2).sum().clamp_min(1e-30) / scale[k]
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-        after = _error(site, x, ref, probe)
-        kept = math.isfinite(after) and after <= before
+        after = errors()
+        objective = sum(a * a / c for a, c in zip(after, scale)) / len(configs)
+        kept = math.isfinite(objective) and objective <= sum(b * b / c for b, c in zip(before, scale)) / len(configs)
         if not kept:
             with torch.no_grad():
                 for p, s in zip(params, saved):
@@ -101,5 +123,7 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
             p.grad = None
         for t, dtype in tensors:
             t.data = t.data.to(dtype)
+    if not settings:
+        before, after = before[0], after[0]
     return {"steps": steps, "epochs": epochs, "lr": lr, "batch": batch, "seconds": time.perf_counter() - t0,
             "error_before": before, "error_after": after if kept else before, "kept": kept}

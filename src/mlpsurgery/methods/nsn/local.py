@@ -1,0 +1,103 @@
+"""NSN's nested start tuned layer by layer at every rank at once (`nest(..., local_epochs=E)`).
+
+The whitened start (surgery.py) makes every rank of a nested MLP the best factorisation *of each projection* in the
+metric of its inputs; the MLP's output at a low rank still carries the errors of three truncated projections, one
+through the non-linearity of the others. Here each chosen layer, in order:
+
+1. its calibration rows are the residual stream entering its MLP sub-block as the already nested (and tuned) layers
+   before it produce it at the *stream rank* (the middle of the trained ranks), as sequential calibration does
+   (reconstruct/sequential.py);
+2. each projection is nested with the whitened start on those rows (its own inputs' second moment);
+3. the nested MLP is trained E epochs on the rows toward the original sub-block's output, each step at one rank of
+   the trained set (the ranks whose FLOPs fit the `fractions` of the layer's dense MLP), every rank's loss weighed by
+   its error before tuning (reconstruct/local.py, `settings`) -- NSN's multi-rank objective, local and on the
+   layer's own inputs, so that one checkpoint serves every rank; kept only if the weighted error fell.
+
+Every rank stays a prefix of the next (the factors are trained, the nesting is structural), so the folder is an
+ordinary NSN checkpoint: `set_rank` / `set_budget` / `nest rank` work unchanged, and the model is left at its
+maximum rank as `nest` leaves it. These are gradient steps: the report records their steps and seconds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from torch import Tensor, nn
+
+from ...errors import MLPSurgeryError
+from ...modules.nested import rank_all, rank_for_budget
+from ...sites import find_sites, parse_layers
+from ..reconstruct.local import LOCAL_LR, subblock_rows, tune_local_
+
+FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # of the layer's dense MLP FLOPs: 25% to break-even
+
+
+def layer_ranks(modules, fractions=FRACTIONS) -> list[int]:
+    """The ranks of the trained set for one layer's nested projections: for each fraction the largest single rank
+    whose FLOPs fit it (fractions below what rank 1 costs are skipped), distinct, ascending."""
+    top = max(m.max_rank for m in modules)
+    ranks = set()
+    for f in fractions:
+        try:
+            ranks.add(min(rank_for_budget(modules, f), top))
+        except MLPSurgeryError:  # below rank 1's cost
+            continue
+    if not ranks:
+        raise MLPSurgeryError(f"no rank of this layer fits the tuning fractions {list(fractions)}")
+    return sorted(ranks)
+
+
+def _moments_and_goal(site, slots, x: Tensor) -> tuple[dict[int, Tensor], Tensor]:
+    """One pass of the (not yet nested) sub-block over the rows x: {n: E[a aᵀ]} of the n-th slot's inputs and what
+    the sub-block adds to x (the tuning's target)."""
+    from ..pruning.calibrated import moment_hooks
+
+    handles, moments = moment_hooks({str(n): s.module for n, s in enumerate(slots)})
+    try:
+        goal = subblock_rows(site, x)
+    finally:
+        for h in handles:
+            h.remove()
+    got = moments()
+    return {n: got[str(n)] for n in range(len(slots))}, goal
+
+
+def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | None = None,
+               fractions=FRACTIONS, progress: bool = False, seed: int = 0, batch_size: int = 8) -> dict:
+    """`nest` with sequential calibration and multi-rank local tuning (the module docstring), in place. Returns the
+    per-layer report: ranks trained, steps, seconds, the error at each rank before and after, kept."""
+    from ..reconstruct.sequential import sequential
+    from .surgery import layer_slots, nest_layer
+
+    if cfg.modules != "mlp":
+        raise MLPSurgeryError("local tuning trains each MLP sub-block toward the original's output: nest --modules "
+                              "mlp with it (the attention projections have no such target here)")
+    if not fractions or any(not 0 < f for f in fractions):
+        raise MLPSurgeryError(f"the tuning fractions must be positive FLOPs fractions, not {list(fractions)}")
+    sites = find_sites(model)
+    layers = parse_layers(cfg.layers, len(sites))
+    if not layers:
+        return {"layers": []}
+    rows: dict[int, dict] = {}
+
+    def work(i: int, x: Tensor) -> None:
+        site = sites.mlp[i]
+        slots = layer_slots(model, cfg, i)
+        moments, goal = _moments_and_goal(site, slots, x)
+        nest_layer(model, cfg, i, moments)
+        del moments
+        nested = [s.module for s in layer_slots(model, cfg, i)]
+        ranks = layer_ranks(nested, fractions)
+        settings = [lambda r=r: rank_all(nested, r) for r in ranks]
+        info = tune_local_(site, x, goal, epochs, lr or LOCAL_LR, seed=seed + i, settings=settings)
+        stream = ranks[len(ranks) // 2]
+        rank_all(nested, stream)  # the next layer is calibrated on what this one gives at the stream rank
+        rows[i] = {"layer": i, "ranks": ranks, "stream_rank": stream, **info}
+
+    sequential(model, calib, layers, work, batch_size=batch_size, progress=progress, desc="nest + local tuning")
+    for i in layers:  # every nested projection back at its maximum rank, as `nest` leaves them
+        for s in layer_slots(model, cfg, i):
+            s.module.rank = s.module.max_rank
+    return {"layers": [rows[i] for i in layers], "epochs": epochs, "lr": lr or LOCAL_LR,
+            "fractions": list(fractions), "config": asdict(cfg),
+            "steps": sum(r.get("steps", 0) for r in rows.values()),
+            "seconds": sum(r.get("seconds", 0.0) for r in rows.values())}
