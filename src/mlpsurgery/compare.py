@@ -430,7 +430,8 @@ def markdown(r: dict) -> str:
         if p.get("local"):
             loc = f"local {p['local']['epochs']:g} epochs, {p['local']['steps']} steps, {p['local']['seconds']:.0f} s"
             rec = loc if rec == "-" else f"{loc}; {rec}"
-        lines.append(f"| {LABELS.get(p['method'], p['method'])} | {p['budget']:g} | {_ppl(p['ppl'])} | "
+        label = "NSN (local-tuned)" if p["method"] == "nsn" and p.get("local") else LABELS.get(p["method"], p["method"])
+        lines.append(f"| {label} | {p['budget']:g} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "
                      f"{p.get('data', '?')} | {rec} |")

@@ -59,7 +59,8 @@ def run_fuse(args) -> dict:
 
     parallel.on_rank0(claims)
     cfg = FusionConfig(width=args.width, method=args.method, layers=args.layers, seed=args.seed, n_init=args.n_init,
-                       device=args.kmeans_device, importance=args.importance, tune_steps=args.tune_steps,
+                       device=args.kmeans_device, importance=args.importance, cluster_on=args.cluster_on,
+                       tune_steps=args.tune_steps,
                        tune_lr=args.tune_lr, calibration=args.calibration, refit=not args.no_refit,
                        budget=args.budget, local_epochs=args.local_epochs, local_lr=args.local_lr)
     cfg.validate()
@@ -297,6 +298,10 @@ def register(sub, groups) -> None:
                    help="neuron selection: auto (output when calibrated, weight with --data-free), weight (norms, no "
                         "data), obs (greedy structured optimal brain surgeon), output (RMS activation x down norm), "
                         "activation (mean |activation| x down norm)")
+    p.add_argument("--cluster-on", choices=("auto", "weights", "activations"), default="auto",
+                   help="fusion / cluster: what k-means groups neurons by: auto (activations when calibrated, weights "
+                        "with --data-free), weights (the paper's neuron weight vectors), activations (each neuron's "
+                        "contribution on calibration rows)")
     p.add_argument("--calib-data", help="calibration text for the data-aware compression (file, folder, table, austen, "
                    "r8-train; default: the bundled Austen, its train split)")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,

@@ -14,6 +14,7 @@ DEFAULT_LAYERS = "last2/3"
 IMPORTANCE = ("auto", "weight", "obs", "output", "activation")
 CALIBRATION = ("sequential", "original", "corrective")
 BUDGETS = ("uniform", "per-layer")
+CLUSTER_ON = ("auto", "weights", "activations")
 
 
 @dataclass
@@ -39,6 +40,9 @@ class FusionConfig:
     # aims the sub-block at where the original model's residual stream goes: it also undoes the drift of the layers
     # before it)
     calibration: str = "sequential"
+    # fusion / cluster: what k-means groups neurons by -- auto (activations with calibration data, else weights) |
+    # weights (the paper's neuron weight vectors) | activations (each neuron's contribution on calibration rows)
+    cluster_on: str = "auto"
     refit: bool = True  # the down projection refit by ridge least squares to the original MLP's output (not svd)
     whiten: bool = True  # svd: factorise each projection in the metric of its inputs (SVD-LLM) instead of plainly
     calib_batch: int = 8  # calibration blocks per forward
@@ -58,6 +62,8 @@ class FusionConfig:
             raise MLPSurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.importance not in IMPORTANCE:
             raise MLPSurgeryError(f"importance must be one of {', '.join(IMPORTANCE)}, not {self.importance!r}")
+        if self.cluster_on not in CLUSTER_ON:
+            raise MLPSurgeryError(f"cluster_on must be one of {', '.join(CLUSTER_ON)}, not {self.cluster_on!r}")
         if self.budget not in BUDGETS:
             raise MLPSurgeryError(f"budget must be one of {', '.join(BUDGETS)}, not {self.budget!r}")
         if self.calibration not in CALIBRATION:

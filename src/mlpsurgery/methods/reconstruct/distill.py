@@ -6,13 +6,7 @@ backward per step.
 
 For a model without an LM head the final hidden states are matched instead (mean squared error, relative to the
 teacher's). AdamW with mlpsurgery.train.fit: warm-up, cosine schedule, clip, checkpoint and resume; with a time budget
-the cosine runs on the clock (it ends at its floor when the time does, not part-way down when the steps were too many).
-
-The teacher is frozen, so what it computes for a block never changes: the hidden states it hands its LM head are
-kept per block the first time the block is drawn (the model's dtype; at most CACHE_BYTES) and later draws only run the
-head on them, about half of a step's cost saved once the blocks repeat. The cache is used only after the head alone
-reproduced the teacher's logits on the first batch (a model that changes its logits after the head -- soft-capping,
-a scale -- is never cached)."""
+the cosine runs on the clock (it ends at its floor when the time does, not part-way down when the steps were too many)."""
 
 from __future__ import annotations
 
@@ -24,8 +18,6 @@ from torch import Tensor, nn
 from ...errors import MLPSurgeryError
 from ...sites import find_sites
 from ...train import FitConfig, fit, step_rng
-
-CACHE_BYTES = 4 << 30  # the teacher's final hidden states kept for reuse, at most
 
 
 def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list[int], steps: int, lr: float = 3e-4,
@@ -59,13 +51,12 @@ def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list
     student.train(False)  # (dropout off: the recovery fits the function, not a regulariser)
     teacher.eval()
     t0 = time.perf_counter()
-    cache = _TeacherCache(teacher, blocks, device) if lm else None
 
     def loss_fn(step: int):
         idx = torch.randint(0, len(blocks), (batch_size,), generator=step_rng(seed, step))
         x = blocks[idx].to(device)
         with torch.no_grad():
-            ref = cache.logits(idx) if cache is not None else _outputs(teacher, x, lm)
+            ref = _outputs(teacher, x, lm)
         out = _outputs(student, x, lm)
         if lm:
             logp_t = torch.log_softmax(ref.float(), -1)
@@ -89,59 +80,7 @@ def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list
     return {"kind": "distill", "steps": len(losses), "steps_asked": steps, "lr": lr, "batch": batch_size,
             "seconds": time.perf_counter() - t0, "loss_first": sum(losses[:tenth]) / tenth if losses else None,
             "loss_last": sum(losses[-tenth:]) / tenth if losses else None, "stopped": res.stopped_early,
-            "tokens": len(losses) * batch_size * blocks.shape[1],
-            "teacher_cache": None if cache is None else cache.report()}
-
-
-class _TeacherCache:
-    """The teacher's logits for blocks by index: its final hidden states (what its LM head reads) computed once per
-    block and kept, the head run on them each time (module docstring)."""
-
-    def __init__(self, teacher: nn.Module, blocks: Tensor, device):
-        self.teacher, self.blocks, self.device = teacher, blocks, device
-        self.head = teacher.get_output_embeddings()
-        self.kept: dict[int, Tensor] = {}
-        self.on: bool | None = None if self.head is not None else False  # None: not yet checked
-        self.hits = self.misses = 0
-        self.limit = CACHE_BYTES
-
-    def _run(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        seen = []
-        handle = self.head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
-        try:
-            logits = self.teacher(input_ids=x).logits
-        finally:
-            handle.remove()
-        return logits, seen[-1]
-
-    def logits(self, idx: Tensor) -> Tensor:
-        if self.on is False:
-            return _outputs(self.teacher, self.blocks[idx].to(self.device), True)
-        ids = idx.tolist()
-        missing = sorted({i for i in ids if i not in self.kept})
-        self.misses += len(missing)
-        self.hits += len(ids) - len(missing)
-        if missing:
-            rows = torch.tensor(missing)
-            logits, hidden = self._run(self.blocks[rows].to(self.device))
-            if self.on is None:  # the head alone must give the teacher's logits, or nothing is cached
-                again = self.head(hidden)
-                self.on = again.shape == logits.shape and bool(torch.allclose(again.float(), logits.float(),
-                                                                              rtol=1e-4, atol=1e-4))
-                if not self.on:
-                    return _outputs(self.teacher, self.blocks[idx].to(self.device), True)
-            for i, h in zip(missing, hidden):
-                if (len(self.kept) + 1) * h.numel() * h.element_size() <= self.limit:
-                    self.kept[i] = h
-            if missing == ids:  # every block new (and in order): the forward's own logits
-                return logits
-        rows = [self.kept.get(i) for i in ids]
-        if any(r is None for r in rows):  # past the cache's size: those blocks run whole
-            return _outputs(self.teacher, self.blocks[idx].to(self.device), True)
-        return self.head(torch.stack(rows))
-
-    def report(self) -> dict:
-        return {"used": bool(self.on), "blocks_kept": len(self.kept), "hits": self.hits, "misses": self.misses}
+            "tokens": len(losses) * batch_size * blocks.shape[1]}
 
 
 def _outputs(model: nn.Module, x: Tensor, lm: bool) -> Tensor:
