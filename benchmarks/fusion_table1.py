@@ -15,7 +15,9 @@ kernel. Methods without randomness (svd, magnitude, neuron) run once (std 0).
     python benchmarks/fusion_table1.py --report                                           # table + plot
 
 A method written M+calib (e.g. fusion+calib) is `fuse` with calibration data (64 x 128 train-split Austen tokens):
-sequential calibration and the down projection refit, P kept stand-alone.
+sequential calibration, fuse's calibrated defaults (fusion / cluster: neurons clustered on their activations, since
+session 25; docs/results/fusion-ntk-refit.md was measured with the weight clustering) and the down projection refit,
+P kept stand-alone.
 
 Results go to runs/fusion_table1.jsonl (one line per method and seed; a rerun skips what is there).
 """

@@ -3,10 +3,12 @@ measured on the same held-out text, each written as a folder that stock transfor
 
 1. CoreLocker: lock 5% of the weights into a key -> held-out perplexity collapses -> unlock -> every tensor
    identical to the original (SHA-256 per tensor).
-2. Nested Subspace Networks: every MLP projection nested (whitened SVD on calibration text, untrained), perplexity
-   at several ranks against the FLOPs each costs; the folder switches rank after loading (`set_rank`).
+2. Nested Subspace Networks: the MLPs of the later two thirds of the layers nested (whitened SVD on calibration
+   text, then each layer tuned at every rank at once on its calibration rows), perplexity at several ranks against
+   the FLOPs each costs; the folder switches rank after loading (`set_rank`).
 3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron pruning at the same width,
-   both calibrated (each layer on what the compressed layers before it produce, the down projection refit).
+   both calibrated (each layer on what the compressed layers before it produce: neurons clustered / scored on their
+   activations there, the down projection refit).
 4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks (the pretrained model was not TwIST-trained, so
    this shows the deployment step; docs/twist.md has what training buys).
 5. DLR-Lock of a few layers (a short phase 1), with the training-step peak memory against the original.
@@ -31,6 +33,8 @@ from . import files
 from .errors import MLPSurgeryError
 
 CALIB_BLOCKS = 64  # x 128 tokens of the train split: what the calibrated methods see
+NSN_LOCAL_EPOCHS = 4  # multi-rank local tuning of the nested start (methods/nsn/local.py), over the calibration rows
+NSN_FRACTIONS = (1.0, 0.75, 0.5, 0.33, 0.25)  # of the nested MLPs' dense FLOPs: the sweep; the row shows the second
 
 
 class _Clock:
@@ -130,12 +134,12 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
                      f"MiB), unlocked {unlocked['check']}", "params": base_params, "ppl": locked_ppl,
                      "note": f"unlocked bit for bit: {identical}", "data": "none"})
 
-        with clock.stage("Nested Subspace Networks: whitened-SVD-nested MLPs, rank sweep"):
+        with clock.stage("Nested Subspace Networks: nested MLPs tuned at every rank, rank sweep"):
             nested = copy.deepcopy(model)
-            # max rank 2/3 of SmolLM2's d: the MLPs keep their size
-            nsn.nest(nested, nsn.NSNConfig(max_rank=384), calib_data=calib)
-            top = nsn.max_rank(nested)
-            ranks = sorted({max(1, round(top * f)) for f in (1, 2 / 3, 1 / 2, 1 / 3, 1 / 6)}, reverse=True)
+            nsn.nest(nested, nsn.NSNConfig(layers="last2/3"), calib_data=calib, local_epochs=NSN_LOCAL_EPOCHS)
+            nsn.set_budget(nested, max(NSN_FRACTIONS))  # components past the break-even rank were never tuned, and
+            nsn.truncate(nested)  # without them the checkpoint of every rank is no larger than the dense MLPs
+            ranks = sorted({nsn.budget_rank(nested, f) for f in NSN_FRACTIONS}, reverse=True)
             sweep = []
             for r in ranks:
                 nsn.set_rank(nested, r)
@@ -146,9 +150,12 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             nsn_params = params(nested)
             del nested
         at = next(s for s in sweep if s["rank"] == shown)
-        rows.append({"method": "NSN", "folder": nsn_folder, "what": "one nested checkpoint (whitened SVD, untrained), rank "
-                     f"chosen at inference; here rank {shown}", "params": nsn_params, "ppl": at["ppl"], "data": seen,
-                     "note": f"{at['mlp_flops']:.0%} of the MLP FLOPs; ranks {ranks[0]}..{ranks[-1]}: "
+        rows.append({"method": "NSN", "folder": nsn_folder, "what": "one nested checkpoint of the MLPs in the last two "
+                     "thirds of the layers (whitened SVD, tuned at every rank at once), rank chosen at inference; here "
+                     f"rank {shown}", "params": nsn_params, "ppl": at["ppl"],
+                     "data": seen + f", sequential, {NSN_LOCAL_EPOCHS:g} epochs of local tuning",
+                     "note": f"{at['mlp_flops']:.0%} of their FLOPs; at "
+                             + " / ".join(f"{s['mlp_flops']:.0%}" for s in sweep) + ": "
                              + ", ".join(f"{s['ppl']:.0f}" for s in sweep)})
 
         h = find_sites(model).mlp[0].h
@@ -156,8 +163,9 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             with clock.stage(f"{label} to width {h // 2}, calibrated"):
                 m = copy.deepcopy(model)
                 fuse(m, FusionConfig(width=h // 2, method=method, n_init=1), progress=False, calib_data=calib)
+                how = "neurons clustered on their activations" if method == "fusion" else "neurons kept by output energy"
                 rows.append({"method": label, "what": f"MLP width {h} -> {h // 2} in the last two thirds of the layers, "
-                             "down projections refit", "params": params(m), "ppl": ppl(m),
+                             f"{how}, down projections refit", "params": params(m), "ppl": ppl(m),
                              "folder": save(m, work / method, tokenizer=tok), "data": seen + ", sequential"})
                 del m
 
@@ -259,13 +267,13 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_xlabel("held-out perplexity (log scale; dashed: original)")
     ax1.set_title("every method, same text")
     sweep = result["nsn_sweep"]
-    ax2.plot([s["mlp_flops"] for s in sweep], [s["ppl"] for s in sweep], "o-", label="NSN (whitened SVD, untrained)")
+    ax2.plot([s["mlp_flops"] for s in sweep], [s["ppl"] for s in sweep], "o-", label="NSN (whitened SVD, local-tuned)")
     for s in sweep:
         ax2.annotate(f"r={s['rank']}", (s["mlp_flops"], s["ppl"]), textcoords="offset points", xytext=(4, 4),
                      fontsize=8)
     ax2.axhline(rows[0]["ppl"], color="k", lw=0.8, ls="--", label="original")
     ax2.set_yscale("log")
-    ax2.set_xlabel("MLP FLOPs per token vs dense")
+    ax2.set_xlabel("FLOPs per token of the nested MLPs vs dense")
     ax2.set_ylabel("held-out perplexity")
     ax2.set_title("one nested checkpoint, rank chosen at inference")
     ax2.legend()
