@@ -33,7 +33,7 @@ from . import files
 from .errors import MLPSurgeryError
 
 CALIB_BLOCKS = 64  # x 128 tokens of the train split: what the calibrated methods see
-NSN_LOCAL_EPOCHS = 4  # multi-rank local tuning of the nested start (methods/nsn/local.py), over the calibration rows
+NSN_LOCAL_EPOCHS = 2  # multi-rank local tuning of the nested start (methods/nsn/local.py), over the calibration rows
 NSN_FRACTIONS = (1.0, 0.75, 0.5, 0.33, 0.25)  # of the nested MLPs' dense FLOPs: the sweep; the row shows the second
 
 

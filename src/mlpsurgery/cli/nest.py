@@ -236,7 +236,7 @@ def register(sub, groups) -> None:
                    help="after the whitened start, tune each nested MLP E epochs on its calibration rows toward the "
                         "original MLP's output, at ranks from 25%% to 100%% of its dense FLOPs at once, layer after "
                         "layer on what the tuned layers before it produce (gradient steps; 0: none)")
-    g.add_argument("--local-lr", type=number(0, low_open=True), help="learning rate of --local-epochs (3e-3)")
+    g.add_argument("--local-lr", type=number(0, low_open=True), help="learning rate of --local-epochs (3e-4)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")

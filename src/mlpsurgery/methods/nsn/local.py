@@ -8,10 +8,11 @@ through the non-linearity of the others. Here each chosen layer, in order:
    before it produce it at the *stream rank* (the middle of the trained ranks), as sequential calibration does
    (reconstruct/sequential.py);
 2. each projection is nested with the whitened start on those rows (its own inputs' second moment);
-3. the nested MLP is trained E epochs on the rows toward the original sub-block's output, each step at one rank of
-   the trained set (the ranks whose FLOPs fit the `fractions` of the layer's dense MLP), every rank's loss weighed by
-   its error before tuning (reconstruct/local.py, `settings`) -- NSN's multi-rank objective, local and on the
-   layer's own inputs, so that one checkpoint serves every rank; kept only if the weighted error fell.
+3. the nested MLP is trained E epochs (Adam, lr NSN_LOCAL_LR) on the rows toward the original sub-block's output,
+   each step at one rank of the trained set (the ranks whose FLOPs fit the `fractions` of the layer's dense MLP),
+   every rank's loss weighed by its error before tuning (reconstruct/local.py, `settings`) -- NSN's multi-rank
+   objective, local and on the layer's own inputs, so that one checkpoint serves every rank; kept only if the
+   weighted error fell.
 
 Every rank stays a prefix of the next (the factors are trained, the nesting is structural), so the folder is an
 ordinary NSN checkpoint: `set_rank` / `set_budget` / `nest rank` work unchanged, and the model is left at its
@@ -26,9 +27,12 @@ from torch import Tensor, nn
 from ...errors import MLPSurgeryError
 from ...modules.nested import rank_all, rank_for_budget
 from ...sites import find_sites, parse_layers
-from ..reconstruct.local import LOCAL_LR, subblock_rows, tune_local_
+from ..reconstruct.local import subblock_rows, tune_local_
 
 FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # of the layer's dense MLP FLOPs: 25% to break-even
+NSN_LOCAL_LR = 3e-4  # factors B, A of a whitened start take smaller steps than whole neurons (reconstruct's 3e-3): on
+# SmolLM2 at 8k rows, 4 epochs, 3e-3 was undone in every layer (the error rose), 1e-3 kept in 9 of 20, 3e-4 in 19
+# (weighted error -5%), 1e-4 in 20 (-4%); docs/notes/calibration.md
 
 
 def layer_ranks(modules, fractions=FRACTIONS) -> list[int]:
@@ -88,7 +92,7 @@ def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | 
         nested = [s.module for s in layer_slots(model, cfg, i)]
         ranks = layer_ranks(nested, fractions)
         settings = [lambda r=r: rank_all(nested, r) for r in ranks]
-        info = tune_local_(site, x, goal, epochs, lr or LOCAL_LR, seed=seed + i, settings=settings)
+        info = tune_local_(site, x, goal, epochs, lr or NSN_LOCAL_LR, seed=seed + i, settings=settings)
         stream = ranks[len(ranks) // 2]
         rank_all(nested, stream)  # the next layer is calibrated on what this one gives at the stream rank
         rows[i] = {"layer": i, "ranks": ranks, "stream_rank": stream, **info}
@@ -97,7 +101,7 @@ def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | 
     for i in layers:  # every nested projection back at its maximum rank, as `nest` leaves them
         for s in layer_slots(model, cfg, i):
             s.module.rank = s.module.max_rank
-    return {"layers": [rows[i] for i in layers], "epochs": epochs, "lr": lr or LOCAL_LR,
+    return {"layers": [rows[i] for i in layers], "epochs": epochs, "lr": lr or NSN_LOCAL_LR,
             "fractions": list(fractions), "config": asdict(cfg),
             "steps": sum(r.get("steps", 0) for r in rows.values()),
             "seconds": sum(r.get("seconds", 0.0) for r in rows.values())}
