@@ -167,3 +167,22 @@ def test_smollm2_layerwise_lock_equals_the_whole_model_lock(smollm2, tmp_path):
         assert set(a.keys()) == set(b.keys())
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+
+
+@pytest.mark.parametrize("name", ["minilm", "smollm2"])
+def test_fusion_clustered_on_activations_fits_a_trained_model_better_than_on_weights(name, request):
+    import copy
+
+    from mlpsurgery.data import text_blocks
+    from mlpsurgery.methods.fusion import FusionConfig, fuse
+
+    loaded = request.getfixturevalue(name)
+    calib = text_blocks(None, loaded.tokenizer, block_len=64, max_blocks=16, seed=0)
+    layers = "2-5" if name == "minilm" else "20-23"
+    err = {}
+    for on in ("weights", "activations"):
+        rep = fuse(copy.deepcopy(loaded.model), FusionConfig(width=384, method="fusion", layers=layers, n_init=1,
+                                                             cluster_on=on), calib_data=calib, progress=False)
+        err[on] = [s["error_rel"] for s in rep["sites"]]
+    # every layer's output error lower (MiniLM at 3 seeds: 0.186 vs 0.222, docs/results/fusion-ntk-activations.md)
+    assert all(a < w for a, w in zip(err["activations"], err["weights"])), err

@@ -325,3 +325,39 @@ def test_local_tuning_of_fisher_blocks_and_its_refusals():
     site = find_sites(model).mlp[0]
     with pytest.raises(MLPSurgeryError, match="differ in shape"):
         tune_local_(site, torch.zeros(8, 32), torch.zeros(8, 16), 1.0)
+
+
+# ---- fusion clustered on activations ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["fusion", "cluster"])
+def test_clustering_on_activations_is_the_calibrated_default_and_weights_the_data_free_one(arch, method):
+    model = tiny_model(arch)
+    calib = _blocks(32, 32)
+    reps = {}
+    for on in ("weights", "activations", "auto"):
+        reps[on] = fuse(copy.deepcopy(model), FusionConfig(width=16, method=method, layers="all", cluster_on=on),
+                        calib_data=calib, progress=False)
+    assert all(s["cluster_on"] == "activations" for s in reps["auto"]["sites"])  # the calibrated default
+    assert all(s["cluster_on"] == "weights" for s in reps["weights"]["sites"])
+    err = {on: sum(s["error_rel"] for s in reps[on]["sites"]) for on in reps}
+    assert err["auto"] == pytest.approx(err["activations"]) and 0 < err["activations"] < len(reps["auto"]["sites"])
+    # (on these random tiny models activations and weights fit about alike, GELU ones slightly better on weights;
+    # on trained models activations fit better: test_realmodels.py, docs/results/fusion-ntk-activations.md)
+    free = fuse(copy.deepcopy(model), FusionConfig(width=16, method=method, layers="all"), progress=False)
+    assert all(s.get("cluster_on") == "weights" for s in free["sites"])  # data-free: the paper's
+
+
+def test_clustering_on_activations_is_refused_without_calibration_rows(tmp_path, capsys):
+    from mlpsurgery.cli import main
+
+    with pytest.raises(MLPSurgeryError, match="cluster_on must be one of"):
+        FusionConfig(cluster_on="neurons").validate()
+    with pytest.raises(MLPSurgeryError, match="needs calibration rows"):
+        fuse(tiny_model("llama"), FusionConfig(width=16, cluster_on="activations"), progress=False)
+    for extra in (["--data-free"], ["--layerwise"]):
+        out = tmp_path / "f"
+        assert main(["fuse", "tiny:llama", "--out", str(out), "--width", "16", "--cluster-on", "activations",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "--cluster-on" in err and err.strip().count("\n") == 0 and not out.exists(), (extra, err)

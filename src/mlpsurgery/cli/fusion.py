@@ -46,6 +46,9 @@ def run_fuse(args) -> dict:
                                   or (args.layerwise and not args.calib_data)):
         raise MLPSurgeryError("--local-epochs tunes each layer on its calibration rows, which --data-free, torchrun, "
                               "magnitude and --layerwise without --calib-data do not have: drop it, or those")
+    if args.cluster_on == "activations" and (args.data_free or world > 1 or (args.layerwise and not args.calib_data)):
+        raise MLPSurgeryError("--cluster-on activations clusters on calibration rows, which --data-free, torchrun and "
+                              "--layerwise without --calib-data do not have: drop it, or those")
     if args.method == "magnitude" and args.calib_data:
         raise MLPSurgeryError("magnitude pruning is data-free: drop --calib-data (or use `prune --method wanda`)")
 

@@ -75,7 +75,11 @@ class FusionConfig:
             raise MLPSurgeryError("n_init and max_iter must be at least 1")
 
     def check_calibrated(self, calibrated: bool) -> None:
-        """Refuse local tuning where there are no calibration rows to tune on (whole model and layer by layer)."""
+        """Refuse local tuning, and clustering on activations, where there are no calibration rows (whole model and
+        layer by layer)."""
+        if self.cluster_on == "activations" and self.method in ("fusion", "cluster") and not calibrated:
+            raise MLPSurgeryError("clustering on activations needs calibration rows: give calibration data "
+                                  "(--calib-data), or cluster on weights (--cluster-on weights / auto)")
         if self.local_epochs > 0 and not calibrated:
             raise MLPSurgeryError("local tuning trains each layer on its calibration rows: give calibration data "
                                   "(--calib-data), or drop --local-epochs")
