@@ -435,3 +435,18 @@ def test_local_tuning_refusals(tmp_path, capsys):
         assert main(["nest", "tiny:llama", "--out", str(out), "--local-epochs", "2", *extra]) == 2
         err = capsys.readouterr().err
         assert "local" in err and err.strip().count("\n") == 0 and not out.exists(), (extra, err)
+
+
+def test_nest_cli_with_local_tuning_reports_it_and_writes_a_loadable_folder(tmp_path, capsys):
+    out = tmp_path / "n"
+    assert main(["nest", "tiny:llama", "--out", str(out), "--local-epochs", "4", "--calib-blocks", "16",
+                 "--local-lr", "1e-3", "--json", "--quiet"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["local"]["epochs"] == 4 and r["local"]["lr"] == 1e-3 and r["local"]["layers"] >= 1
+    assert "multi-rank local tuning" in r["init"]
+    back = load(out)
+    nsn.set_budget(back, 0.5)
+    assert nsn.nested_linears(back)
+    assert main(["nest", "tiny:llama", "--out", str(tmp_path / "m"), "--local-epochs", "1", "--calib-blocks", "8",
+                 "--quiet"]) == 0
+    assert "local tuning at every rank at once" in capsys.readouterr().out

@@ -196,7 +196,8 @@ def render(r: dict) -> str:
         if t["log_var"]:
             lines.append("log-variance per rank (steps that updated it): " + _log_var(t))
     else:
-        lines.append("no training (--train-steps 0): SVD truncation only")
+        lines.append("no end-to-end training (--train-steps 0)" if loc else
+                     "no training (--train-steps 0): SVD truncation only")
     return "\n".join(lines)
 
 
