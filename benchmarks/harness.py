@@ -123,6 +123,25 @@ def parser(description: str | None, *, summary: bool = False, json: bool | str =
     return p
 
 
+def grid_parser(description: str | None, variants: str, threads: int = 2) -> argparse.ArgumentParser:
+    """parser() for a one-off grid over variants: --out, a JSON-lines file one row per variant is appended to (a rerun
+    skips the variants already there), and --variants, comma-separated, each of the form `variants`."""
+    p = parser(description, threads=threads)
+    p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
+    p.add_argument("--variants", required=True, help=f"comma-separated {variants}")
+    return p
+
+
+def smollm2_calibration(block_len: int, blocks: int):
+    """(the loaded SmolLM2, the bundled Austen corpus, `blocks` train-split blocks of `block_len` tokens, seed 0): the
+    setting the calibration grids share. Imports torch: call set_threads first."""
+    import mlpsurgery as ms
+
+    loaded = ms.load_model()
+    corpus = ms.load_corpus(None, loaded.tokenizer)
+    return loaded, corpus, corpus.blocks("train", block_len, max_blocks=blocks, seed=0)
+
+
 def print_result(obj: Any, as_json: bool, text: str, indent: int = 1) -> None:
     """The result on stdout: as JSON (a --json switch, parser's print_json) or as its text (a header and a table)."""
     print(json.dumps(obj, indent=indent) if as_json else text)

@@ -21,9 +21,7 @@ import harness  # noqa: E402
 
 
 def main() -> None:
-    p = harness.parser(__doc__, threads=2)
-    p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
-    p.add_argument("--variants", required=True, help="comma-separated CLUSTER_ON:FEATURE_ROWS:LOCAL_EPOCHS")
+    p = harness.grid_parser(__doc__, "CLUSTER_ON:FEATURE_ROWS:LOCAL_EPOCHS")
     p.add_argument("--max-tokens", type=int, default=1024)
     args = p.parse_args()
     harness.set_threads(args.threads, tokenizers_parallelism=False)
@@ -36,9 +34,7 @@ def main() -> None:
     from mlpsurgery.sites import find_sites
 
     done = {(r["cluster_on"], r["feature_rows"], r["local_epochs"]) for r in harness.read_jsonl(args.out)}
-    loaded = ms.load_model()
-    corpus = ms.load_corpus(None, loaded.tokenizer)
-    calib = corpus.blocks("train", 128, max_blocks=64, seed=0)
+    loaded, corpus, calib = harness.smollm2_calibration(128, 64)
     block = default_block_len(loaded.model)
     for spec in args.variants.split(","):
         on, rows, epochs = spec.split(":")

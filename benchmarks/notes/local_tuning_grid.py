@@ -19,9 +19,7 @@ import harness  # noqa: E402
 
 
 def main() -> None:
-    p = harness.parser(__doc__, threads=2)
-    p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
-    p.add_argument("--variants", required=True, help="comma-separated METHOD:EPOCHS:LR")
+    p = harness.grid_parser(__doc__, "METHOD:EPOCHS:LR")
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--layers", default="10-29")
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -34,9 +32,7 @@ def main() -> None:
     from mlpsurgery.methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 
     done = {(r["method"], r["epochs"], r["lr"]) for r in harness.read_jsonl(args.out)}
-    loaded = ms.load_model()
-    corpus = ms.load_corpus(None, loaded.tokenizer)
-    calib = corpus.blocks("train", CALIB_LEN, max_blocks=CALIB_BLOCKS, seed=0)
+    loaded, corpus, calib = harness.smollm2_calibration(CALIB_LEN, CALIB_BLOCKS)
     for spec in args.variants.split(","):
         method, epochs, lr = spec.split(":")
         key = (method, float(epochs), float(lr))

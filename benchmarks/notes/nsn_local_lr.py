@@ -21,21 +21,16 @@ import harness  # noqa: E402
 
 
 def main() -> None:
-    p = harness.parser(__doc__, threads=2)
-    p.add_argument("--out", required=True, help="JSONL file the rows are appended to")
-    p.add_argument("--variants", required=True, help="comma-separated EPOCHS:LR")
+    p = harness.grid_parser(__doc__, "EPOCHS:LR")
     args = p.parse_args()
     harness.set_threads(args.threads, tokenizers_parallelism=False)
     import copy
 
-    import mlpsurgery as ms
     from mlpsurgery.methods import nsn
     from mlpsurgery.methods.nsn.local import nest_tuned
 
     done = {(r["epochs"], r["lr"]) for r in harness.read_jsonl(args.out)}
-    loaded = ms.load_model()
-    corpus = ms.load_corpus(None, loaded.tokenizer)
-    calib = corpus.blocks("train", 128, max_blocks=64, seed=0)
+    loaded, _, calib = harness.smollm2_calibration(128, 64)
     for spec in args.variants.split(","):
         epochs, lr = (float(v) for v in spec.split(":"))
         if (epochs, lr) in done:
