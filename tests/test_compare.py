@@ -128,3 +128,29 @@ def test_compare_with_local_tuning_records_it_per_point_and_a_rerun_without_it_i
     code, _, err = _run(["fuse", "tiny:llama", "--out", str(tmp_path / "f"), "--data-free", "--local-epochs", "1"],
                         capsys)
     assert code == 2 and "--local-epochs" in err and err.count("\n") == 1 and not (tmp_path / "f").exists()
+
+
+def test_compare_with_per_layer_budgets_keeps_the_total_width_and_records_each_layer(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--layers", "all",
+                              "--budgets", "0.5", "--budget", "per-layer", "--json", *SMALL], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    (p,) = r["points"]
+    h = tiny_model("llama").config.intermediate_size
+    widths = {int(i): w for i, w in p["widths"].items()}
+    assert sorted(widths) == list(range(tiny_model("llama").config.num_hidden_layers))
+    assert sum(widths.values()) == len(widths) * p["width"] and all(1 <= w <= h for w in widths.values())
+    again = ms.load(out / "models" / "neuron@0.5")  # the folder holds those widths
+    from mlpsurgery.sites import find_sites
+
+    assert {s.index: s.h for s in find_sites(again).mlp} == widths
+    assert "| neuron pruning | 0.5 (per layer) |" in (out / "frontier.md").read_text()
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--layers", "all",
+                         "--budgets", "0.5", *SMALL], capsys)  # the uniform budget into a per-layer folder: refused
+    assert code == 2 and "other settings" in err and "budget" in err
+    for extra, needle in ((["--methods", "neuron,nsn"], "nsn from --methods"), (["--data-free"], "--data-free")):
+        code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "x"), "--budget", "per-layer", *extra,
+                             *SMALL], capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()

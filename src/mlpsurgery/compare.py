@@ -65,6 +65,8 @@ class CompareConfig:
     recover: str = "layerwise"  # layerwise (each MLP toward the original's output on captured inputs) | distill (the
     # whole model toward the original's next-token distribution, on-policy: methods/reconstruct/distill.py)
     recover_seconds: float | None = None  # stop each point's recovery after this many seconds
+    budget: str = "uniform"  # uniform: every chosen layer at the budget | per-layer: the same total width, each layer's
+    # by its measured sensitivity (fuse's methods only; methods/reconstruct/budget.py, needs calibration)
     local_epochs: float = 0.0  # on-policy local tuning of each compressed layer in the calibration pass (fuse's
     # methods, Fisher blocks, NSN at every rank at once; methods/reconstruct/local.py, methods/nsn/local.py):
     # gradient steps, recorded as the point's local tuning
@@ -89,6 +91,15 @@ class CompareConfig:
         if self.local_epochs > 0 and self.data_free:
             raise MLPSurgeryError("local tuning trains each layer on its calibration rows: drop --data-free or "
                                   "--local-epochs")
+        if self.budget not in ("uniform", "per-layer"):
+            raise MLPSurgeryError(f"budget must be uniform or per-layer, not {self.budget!r}")
+        if self.budget == "per-layer":
+            other = [m for m in self.methods if m not in FUSE_METHODS]
+            if self.data_free or other:
+                raise MLPSurgeryError("--budget per-layer allots the width of fuse's methods by sensitivity measured on "
+                                      "calibration data: drop " + ("--data-free" if self.data_free else
+                                                                   f"{', '.join(other)} from --methods")
+                                      + " (or the per-layer budget)")
         bad = [b for b in self.budgets if not 0 < b < 1]
         if bad or not self.budgets:
             raise MLPSurgeryError(f"budgets are fractions of the MLP kept, each in (0, 1), not {bad or 'none'}")
@@ -103,6 +114,8 @@ class CompareConfig:
             out["data_free"] = True
         if self.local_epochs > 0:  # (absent when off, as data_free)
             out["local_epochs"] = self.local_epochs
+        if self.budget != "uniform":  # (likewise)
+            out["budget"] = self.budget
         if self.recover != "layerwise":
             out["recover"] = self.recover
             out["recover_seconds"] = self.recover_seconds
@@ -163,9 +176,12 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
         m = copy.deepcopy(model)
         width = max(1, round(budget * _mlp_width(model, layers)))
         report = fuse(m, FusionConfig(width=width, method=method, layers=",".join(map(str, layers)), n_init=1,
-                                      seed=cfg.seed, local_epochs=cfg.local_epochs if aware else 0.0),
+                                      seed=cfg.seed, local_epochs=cfg.local_epochs if aware else 0.0,
+                                      budget=cfg.budget),
                       progress=False, calib_data=calib if aware else None)
         info = {"width": width, "data": "calibration, sequential" if aware else "none"}
+        if report.get("budget"):  # the per-layer widths (the total is the uniform one's)
+            info["widths"] = {str(i): w for i, w in report["widths"].items()}
         return m, {**info, **_local_info([r.get("local") for r in report["sites"]])}
     if method == "nsn":
         if "nested" not in cache:
@@ -431,7 +447,8 @@ def markdown(r: dict) -> str:
             loc = f"local {p['local']['epochs']:g} epochs, {p['local']['steps']} steps, {p['local']['seconds']:.0f} s"
             rec = loc if rec == "-" else f"{loc}; {rec}"
         label = "NSN (local-tuned)" if p["method"] == "nsn" and p.get("local") else LABELS.get(p["method"], p["method"])
-        lines.append(f"| {label} | {p['budget']:g} | {_ppl(p['ppl'])} | "
+        kept = f"{p['budget']:g}" + (" (per layer)" if p.get("widths") else "")
+        lines.append(f"| {label} | {kept} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "
                      f"{p.get('data', '?')} | {rec} |")

@@ -17,7 +17,7 @@ def run_compare(args) -> dict:
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
                           calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
                           data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
-                          local_epochs=args.local_epochs,
+                          local_epochs=args.local_epochs, budget=args.budget,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
     res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args), device=device_of(args))
@@ -69,6 +69,10 @@ def register(sub, groups) -> None:
                    help="on-policy local tuning of every compressed layer of fuse's methods and Fisher blocks in the "
                         "calibration pass, and of NSN's nested MLPs at every rank at once (E epochs over its rows; "
                         "gradient steps, recorded per point; 0: none)")
+    p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
+                   help="uniform: every chosen layer keeps the budget's fraction; per-layer: the same total width, "
+                        "each layer's chosen by its measured sensitivity, fragile ones left whole (fuse's methods, "
+                        "with calibration)")
     p.add_argument("--recover-seconds", type=number(0, low_open=True),
                    help="stop each point's recovery after this many seconds (steps done are recorded)")
     p.add_argument("--recover-lr", type=number(0, 1, low_open=True),
