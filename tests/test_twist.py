@@ -302,6 +302,32 @@ def test_aggregation_is_fedavg():
             assert torch.all(a.o[:, a.heads_of_groups([g])] == sum(holders) / len(holders))
 
 
+@pytest.mark.parametrize("arch", ("llama", "gemma2", "gpt2", "phi3", "opt", "gpt_neox", "bert"))
+def test_a_refit_subnet_changes_only_the_narrowed_down_projections_and_lowers_each_ones_error(arch, ids):
+    """refit_subnet_: the narrowed MLPs' down projections (and nothing else) refit in sequence; each layer's output
+    error on its calibration rows falls, and the layers kept whole are untouched."""
+    from mlpsurgery.io.provenance import history
+    from mlpsurgery.methods.twist import refit_subnet_
+
+    m = four_layers(arch)
+    plain = twist_extract(m, keep=2, blocks=4, parts="both", layers=[1, 2], seed=5)
+    sub = copy.deepcopy(plain)
+    calib = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    errs = refit_subnet_(sub, m, calib, progress=False)
+    assert sorted(errs) == [1, 2]
+    for i, e in errs.items():
+        assert e["error_after"] < e["error_before"], (i, e)
+    a, b = find_sites(plain), find_sites(sub)
+    for i in range(4):
+        wa, wb = a.mlp[i].read(), b.mlp[i].read()
+        assert torch.equal(wa.up, wb.up) and torch.equal(a.attn[i].read().o, b.attn[i].read().o)
+        assert torch.equal(wa.down, wb.down) == (i not in (1, 2))
+    assert history(sub)[-1]["method"] == "twist-refit" and history(sub)[-1]["provenance"]["calib_tokens"] == 256
+    attn_only = twist_extract(m, keep=2, blocks=4, parts="attn", layers=[1, 2], seed=5)
+    with pytest.raises(MLPSurgeryError, match="narrowed no MLP"):
+        refit_subnet_(attn_only, m, calib, progress=False)
+
+
 def blocks_of(seed=0, n=24, t=32):
     return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
 
@@ -430,6 +456,21 @@ def test_cli_train_extract(tmp_path, capsys):
     lw = json.loads(capsys.readouterr().out)
     assert code == 0 and lw["layerwise"] and {k: lw[k] for k in r} == {**r, "out": str(tmp_path / "sub-lw")}
     _same_subnet_folders(tmp_path / "sub", tmp_path / "sub-lw")
+    # with calibration text: the same subnet, its narrowed MLPs refit (their error recorded), saved and reloaded
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub-fit"),
+                 "--calib-data", str(text), "--calib-blocks", "4", "--calib-len", "32", "--json", "--quiet"])
+    fit = json.loads(capsys.readouterr().out)
+    assert code == 0 and fit["subnet"] == r["subnet"] and fit["refit"]["calibration"] == [4, 32]
+    assert [int(i) for i in fit["refit"]["layers"]] == [0]
+    assert all(e["error_after"] < e["error_before"] for e in fit["refit"]["layers"].values())
+    again, plain = find_sites(load(tmp_path / "sub-fit")), find_sites(load(tmp_path / "sub"))
+    assert not torch.equal(again.mlp[0].read().down, plain.mlp[0].read().down)
+    assert torch.equal(again.mlp[0].read().up, plain.mlp[0].read().up)
+    for extra, why in ((["--layerwise"], "--layerwise"), (["--parts", "attn"], "--parts attn")):
+        code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "x-fit"),
+                     "--calib-data", str(text), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and why in err and err.count("\n") == 1 and not (tmp_path / "x-fit").exists()
     # refused, exit 2, nothing written: a model without files, a folder holding pruning masks
     from mlpsurgery.methods.pruning import prune
 

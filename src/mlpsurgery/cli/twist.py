@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
 from . import check_max_memory, command, device_of, draw, integer, layer_device, number, progress, stage
+from ..methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .core import MODEL_HELP, _load
 
 
@@ -126,25 +127,50 @@ def run_extract(args) -> dict:
     from ..methods.twist import twist_extract
     from ..models import load_model
 
-    _free_out(args.out, args.overwrite, [args.dir])
+    if args.calib_data and args.layerwise:
+        raise MLPSurgeryError("--calib-data refits the subnet with the whole model in memory, which --layerwise does "
+                              "not hold: drop one of them")
+    if args.calib_data and args.parts == "attn":
+        raise MLPSurgeryError("--calib-data refits the narrowed MLPs' down projections, and --parts attn narrows no "
+                              "MLP: drop one of them")
+    _free_out(args.out, args.overwrite, [args.dir, args.calib_data])
     if args.layerwise:
         return _extract_layerwise(args)
     stage(args, f"loading {args.dir}")
     loaded = load_model(args.dir)
     loaded.model.to(device_of(args))
+    calib = None
+    if args.calib_data:
+        from ..data import load_corpus
+        from ..models import check_context
+
+        check_context(loaded.model, args.calib_len)
+        stage(args, f"reading and tokenising the calibration data {args.calib_data}")
+        corpus = load_corpus(args.calib_data, loaded.require_tokenizer())
+        calib = corpus.blocks("train", args.calib_len, max_blocks=args.calib_blocks, seed=args.seed)
     before = count_params(loaded.model)
     stage(args, f"cutting out the subnet of seed {args.seed}")
+    # without a refit the loaded model is not used again: given up layer by layer as the subnet is built
     new = twist_extract(loaded.model, keep=args.keep, blocks=args.blocks, parts=args.parts, attn_keep=args.attn_keep,
                         shared_first=args.shared_first, shared_last=args.shared_last, seed=args.seed,
-                        rescale=not args.no_rescale, consume=True)  # the loaded model is not used again
-    stage(args, f"saving to {args.out}")
-    save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir])
-    after = count_params(new)
+                        rescale=not args.no_rescale, consume=calib is None)
     entry = new._mlpsurgery_history[-1]
-    return {"out": args.out, "from": args.dir, "seed": args.seed, "config": entry["config"],
-            "subnet": entry["provenance"]["subnet"], "params_before": before["total"], "params_after": after["total"],
-            "attention_params": [before["attention"], after["attention"]], "mlp_params": [before["mlp"], after["mlp"]],
-            "plain_transformers": not replaced_modules(new)}
+    refit = None
+    if calib is not None:
+        from ..methods.twist import refit_subnet_
+
+        stage(args, f"refitting the narrowed MLPs on {calib.numel():,} calibration tokens")
+        refit = refit_subnet_(new, loaded.model, calib, progress=progress(args))
+    stage(args, f"saving to {args.out}")
+    save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir, args.calib_data])
+    after = count_params(new)
+    res = {"out": args.out, "from": args.dir, "seed": args.seed, "config": entry["config"],
+           "subnet": entry["provenance"]["subnet"], "params_before": before["total"], "params_after": after["total"],
+           "attention_params": [before["attention"], after["attention"]], "mlp_params": [before["mlp"], after["mlp"]],
+           "plain_transformers": not replaced_modules(new)}
+    if refit is not None:
+        res["refit"] = {"calibration": list(calib.shape), "layers": refit}
+    return res
 
 
 def _extract_layerwise(args) -> dict:
@@ -170,7 +196,16 @@ def render_extract(r: dict) -> str:
     return (f"subnet kappa {c['keep']}/{c['blocks']} ({c['parts']}, seed {r['seed']}) of {r['from']}: "
             f"{human_count(r['params_before'])} -> {human_count(r['params_after'])} parameters (attention "
             f"{human_count(r['attention_params'][0])} -> {human_count(r['attention_params'][1])}, MLP "
-            f"{human_count(r['mlp_params'][0])} -> {human_count(r['mlp_params'][1])})\n  {how}\n  saved to {r['out']}")
+            f"{human_count(r['mlp_params'][0])} -> {human_count(r['mlp_params'][1])})\n  {how}\n"
+            + (_refit_line(r["refit"]) if r.get("refit") else "") + f"  saved to {r['out']}")
+
+
+def _refit_line(refit: dict) -> str:
+    errs = refit["layers"].values()
+    mean = lambda k: sum(e[k] for e in errs) / len(errs)  # noqa: E731
+    n, t = refit["calibration"]
+    return (f"  down projections of {len(refit['layers'])} narrowed MLPs refit on {n} x {t} calibration tokens: "
+            f"relative output error {mean('error_before'):.3f} -> {mean('error_after'):.3f} (mean over layers)\n")
 
 
 # ---- prune ------------------------------------------------------------------------------------------
@@ -344,6 +379,11 @@ def register(sub, groups) -> None:
                    "--shared-last 0 give uniform widths: a plain transformers model)")
     p.add_argument("--shared-last", type=integer(0), help="last layers kept whole (default: as trained, else 2)")
     p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
+    p.add_argument("--calib-data", help="calibration text (file, folder, table, austen): the narrowed MLPs' down "
+                   "projections refit in sequence to the original's outputs (default: none, the paper's no-data cut)")
+    p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
+                   help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
+    p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
     p.add_argument("--layerwise", action="store_true",
                    help="one decoder layer in memory at a time (read from the folder's weights file), the same "
                         "subnet: for models larger than RAM")

@@ -43,7 +43,9 @@ For attention, kappa maps to max(1, round(kappa * KV groups)) groups (SmolLM2: 3
 6/12 keep 2 of 3, 4/12 and 3/12 keep 1 of 3) unless `attn_keep` says otherwise. Where the stock attention
 takes its head count from the config (GPT-2, OPT, Phi-3), a layer with fewer heads gets the registered
 attention of `modules/attention.py`, whose count follows its projections: the same physical subnets train in
-true / hybrid mode and are extracted, saved and reloaded like any other.
+true / hybrid mode and are extracted, saved and reloaded like any other. With calibration text (`refit_subnet_`,
+`twist extract --calib-data`) the narrowed MLPs' down projections are then refit in sequence to the original's
+outputs, the closed-form compensation every width-reducing method of the package has.
 
 Refusals come before work: rank 0 checks the layout, builds the subnet skeleton and claims the checkpoint
 folder (settings, model fingerprint, data digest: checkpoint.py) and tells every rank the outcome before any
@@ -59,7 +61,7 @@ The package, one file per concern:
                     collectives, shipping structures
     checkpoint.py   resumable folders: claimed with the settings, model fingerprint and data digest
     training.py     twist_train: the rounds of every mode, checkpoint / resume, the dp baseline
-    extraction.py   twist_extract: a random subnet as a physically smaller dense model
+    extraction.py   twist_extract: a random subnet as a physically smaller dense model; refit_subnet_
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from .aggregation import Aggregator, fill_subnet, flatten, shared_parameters, un
 from .blocks import PARTS, Layout, Subnet, make_layout
 from .config import TwISTConfig, make_shards
 from .distributed import Comm, init_distributed, on_rank0
-from .extraction import materialize, trained_settings, twist_extract
+from .extraction import materialize, refit_subnet_, trained_settings, twist_extract
 from .generator import attn_keep_for, check_subnet_size, deployment_subnet, generate_blueprint
 from .hooks import (Hooks, attn_feature_blocks, gate_inputs, mlp_feature_blocks, scale_outputs,
                     subnet_hooks)
@@ -77,5 +79,5 @@ from .training import MODES, TwISTResult, twist_train
 __all__ = ["Aggregator", "Comm", "Hooks", "Layout", "MODES", "PARTS", "Subnet", "TwISTConfig", "TwISTResult",
            "attn_feature_blocks", "attn_keep_for", "check_subnet_size", "deployment_subnet", "fill_subnet", "flatten",
            "gate_inputs", "generate_blueprint", "init_distributed", "make_layout", "make_shards", "materialize",
-           "mlp_feature_blocks", "on_rank0", "scale_outputs", "shared_parameters", "subnet_hooks", "trained_settings",
+           "mlp_feature_blocks", "on_rank0", "refit_subnet_", "scale_outputs", "shared_parameters", "subnet_hooks", "trained_settings",
            "twist_extract", "twist_train", "unflatten"]

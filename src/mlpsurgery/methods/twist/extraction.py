@@ -1,11 +1,13 @@
 """Deployment: one random subnet cut out as a physically smaller dense model, the activation shift folded into
-its output projections (no data, no search)."""
+its output projections (no data, no search); optionally its narrowed MLPs' down projections refit on calibration text
+(`refit_subnet_`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ...errors import MLPSurgeryError
 from ...io import history as method_history
 from ...io import record
 from ...subsets import subset_model
@@ -91,3 +93,22 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
     new = materialize(model, layout, subnet, rescale=rescale, consume=consume)
     record(new, "twist-extract", {**settings, "rescale": rescale}, seed=seed, subnet=subnet.as_dict())
     return new
+
+
+def refit_subnet_(subnet: nn.Module, original: nn.Module, calib: torch.Tensor, progress: bool = True) -> dict:
+    """The closed-form compensation of a cut-out subnet (issue 45's, as for every width-reducing method): the down
+    projection of each MLP the subnet narrowed refit by ridge least squares, layer after layer, to the original MLP's
+    output on the inputs the subnet itself produces there (methods/reconstruct/layer.py `refit_model_`, sequential
+    calibration on `calib`, (N, T) token ids). In place. Attention keeps its cut-out heads as they are (their output
+    projection is not refit). Returns {layer: relative output error before / after} and records the refit."""
+    from ..reconstruct.layer import refit_model_
+
+    new, old = find_sites(subnet), find_sites(original)
+    layers = [s.index for s in new.mlp if s.h < old.mlp[s.index].h]
+    if not layers:
+        raise MLPSurgeryError("the subnet narrowed no MLP (parts 'attn'?): there is no down projection to refit; "
+                              "drop the refit")
+    fitted = refit_model_(subnet, original, calib, layers, progress=progress)
+    record(subnet, "twist-refit", {"layers": layers}, calib_tokens=int(calib.numel()),
+           calib_blocks=list(calib.shape))
+    return {i: {k: fitted[i][k] for k in ("error_before", "error_after")} for i in layers}
