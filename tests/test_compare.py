@@ -103,8 +103,18 @@ def test_a_twist_trained_model_gets_its_random_subnets_on_the_frontier(tmp_path,
     r = json.loads(stdout)
     tw = next(p for p in r["points"] if p["method"] == "twist")
     assert tw["blocks"] == 4 and tw["keep"] == 2 and tw["params"] < r["original"]["params"]
+    assert tw["data"] == "calibration, refit sequential"  # calibrated by default, as every width-reducing method
     again = ms.load(tmp_path / "cmp" / "models" / "twist@0.5")
     assert sum(p.numel() for p in again.parameters()) == tw["params"]
+    from mlpsurgery.compare import chosen_layers
+    from mlpsurgery.methods.twist import twist_extract
+    from mlpsurgery.sites import find_sites
+
+    layers = chosen_layers(m, "last2/3")
+    plain = find_sites(twist_extract(m, keep=2, blocks=4, parts="ffn", layers=layers, seed=0))
+    for i in layers:  # the same subnet, its down projections refit
+        got, cut = find_sites(again).mlp[i].read(), plain.mlp[i].read()
+        assert torch.equal(got.up, cut.up) and not torch.allclose(got.down, cut.down)
     assert not r["skipped"]
 
 

@@ -139,3 +139,33 @@ def test_prune_cli(tmp_path, capsys):
     assert code == 0 and "fisher" in capsys.readouterr().out
     code = main(["prune", "tiny:llama", "--method", "wanda", "--sparsity", "0.5", "--out", str(tmp_path / "sg")])
     assert code == 2 and "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["fisher", "random"])
+def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blocks(tmp_path, capsys, method):
+    """prune --refit: the same blocks as without it, each narrowed MLP's down projection refit (its error falls); refused
+    (one line, exit 2, nothing written) for the unstructured methods, --parts attn and --layerwise."""
+    from mlpsurgery.cli import main
+    from mlpsurgery.io import load
+    from mlpsurgery.sites import find_sites
+
+    text = tmp_path / "t.txt"
+    text.write_text("Mr. Darcy walked off; and Elizabeth remained with no very cordial feelings toward him. " * 40)
+    common = ["prune", "tiny:llama", "--method", method, "--sparsity", "0.5", "--blocks", "4", "--parts", "ffn",
+              "--data", str(text), "--calib-blocks", "4", "--block-len", "32", "--json", "--quiet"]
+    assert main([*common, "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main([*common, "--refit", "--out", str(tmp_path / "fit")]) == 0
+    r = json.loads(capsys.readouterr().out)
+    n = tiny_model("llama").config.num_hidden_layers
+    assert sorted(int(i) for i in r["refit"]) == list(range(n))
+    assert all(e["error_after"] < e["error_before"] for e in r["refit"].values()), r["refit"]
+    plain, fit = find_sites(load(tmp_path / "plain")), find_sites(load(tmp_path / "fit"))
+    for i in range(n):
+        a, b = plain.mlp[i].read(), fit.mlp[i].read()
+        assert torch.equal(a.up, b.up) and not torch.allclose(a.down, b.down)
+    for extra, m in ((["--parts", "attn"], method), (["--layerwise"], method), ([], "sparsegpt")):
+        code = main(["prune", "tiny:llama", "--method", m, "--sparsity", "0.5", "--refit", *extra,
+                     "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert code == 2 and "--refit" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()

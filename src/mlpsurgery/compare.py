@@ -205,8 +205,12 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
     if method == "twist":  # the chunking it was trained with
         R = int(trained_settings(model).get("blocks") or cfg.blocks)
         keep = max(1, round(budget * R))
-        return (twist_extract(model, keep=keep, blocks=R, parts="ffn", layers=layers, seed=cfg.seed),
-                {"keep": keep, "blocks": R, "data": "none"})
+        sub = twist_extract(model, keep=keep, blocks=R, parts="ffn", layers=layers, seed=cfg.seed)
+        if aware:  # its narrowed MLPs' down projections refit in sequence, as every width-reducing method's
+            from .methods.twist import refit_subnet_
+
+            refit_subnet_(sub, model, calib, progress=False)
+        return sub, {"keep": keep, "blocks": R, "data": "calibration, refit sequential" if aware else "none"}
     if method == "fisher":
         h = _mlp_width(model, layers)
         R = max(r for r in range(1, cfg.blocks + 1) if h % r == 0)  # chunks of equal width

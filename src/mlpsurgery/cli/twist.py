@@ -223,6 +223,9 @@ def run_prune(args) -> dict:
     if pattern is not None and args.method not in ("magnitude", "wanda", "sparsegpt"):
         raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
                               "(which removes whole blocks: use --sparsity)")
+    if args.refit and (args.method not in ("fisher", "random") or args.layerwise or args.parts == "attn"):
+        raise MLPSurgeryError("--refit refits the down projections of the MLPs that fisher / random narrowed, with the "
+                              "whole model: it needs --method fisher or random, --parts ffn or both, and no --layerwise")
     _free_out(args.out, args.overwrite, [args.model, args.data])
     check_max_memory(args)
     if args.layerwise:
@@ -230,13 +233,21 @@ def run_prune(args) -> dict:
     loaded = _load(args)
     layers = parse_layers(args.layers, len(find_sites(loaded.model)))
     blocks = None
-    if args.method in ("wanda", "sparsegpt", "fisher"):
+    if args.method in ("wanda", "sparsegpt", "fisher") or args.refit:
         check_context(loaded.model, args.block_len)
         stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
         corpus = load_corpus(args.data, loaded.require_tokenizer())
         blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
                           blocks=args.blocks, seed=args.seed, progress=progress(args), pattern=pattern)
+    if args.refit:  # the closed-form compensation, on what the pruned layers before each produce
+        from ..methods.reconstruct.layer import refit_model_
+
+        before, after = find_sites(loaded.model), find_sites(model)
+        narrowed = [i for i in layers if after.mlp[i].h < before.mlp[i].h]
+        stage(args, f"refitting {len(narrowed)} narrowed MLPs on {blocks.numel():,} calibration tokens")
+        fitted = refit_model_(model, loaded.model, blocks, narrowed, progress=progress(args))
+        report["refit"] = {str(i): {k: fitted[i][k] for k in ("error_before", "error_after")} for i in narrowed}
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
     res = {**report, "out": args.out, "model": loaded.source, "layers": layers,
@@ -323,6 +334,11 @@ def render_prune(r: dict) -> str:
             lines.append(f"  relative output error on {r['error_inputs']}: mean "
                          f"{sum(x['error_rel'] for x in errs) / len(errs):.4f}, largest {worst['error_rel']:.4f} "
                          f"(layer {worst['layer']})")
+    if r.get("refit"):
+        e = r["refit"].values()
+        lines.append(f"  down projections of {len(e)} narrowed MLPs refit: relative output error "
+                     f"{sum(x['error_before'] for x in e) / len(e):.3f} -> {sum(x['error_after'] for x in e) / len(e):.3f}"
+                     " (mean over layers, on the calibration inputs)")
     lines.append(f"  saved to {r['out']}")
     if r.get("plot"):
         lines.append(f"  plot: {r['plot']}")
@@ -405,7 +421,11 @@ def register(sub, groups) -> None:
     p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both",
                    help="what is split into subnets: attention KV groups, MLP chunks or both (default)")
     p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
-    p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher): file, folder, austen (default) / r8")
+    p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher, --refit): file, folder, austen "
+                   "(default) / r8")
+    p.add_argument("--refit", action="store_true",
+                   help="fisher / random: then refit each narrowed MLP's down projection by least squares to the "
+                        "original's output, layer after layer on the calibration text (the closed-form compensation)")
     p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration blocks (16)")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")

@@ -79,5 +79,5 @@ from .training import MODES, TwISTResult, twist_train
 __all__ = ["Aggregator", "Comm", "Hooks", "Layout", "MODES", "PARTS", "Subnet", "TwISTConfig", "TwISTResult",
            "attn_feature_blocks", "attn_keep_for", "check_subnet_size", "deployment_subnet", "fill_subnet", "flatten",
            "gate_inputs", "generate_blueprint", "init_distributed", "make_layout", "make_shards", "materialize",
-           "mlp_feature_blocks", "on_rank0", "refit_subnet_", "scale_outputs", "shared_parameters", "subnet_hooks", "trained_settings",
-           "twist_extract", "twist_train", "unflatten"]
+           "mlp_feature_blocks", "on_rank0", "refit_subnet_", "scale_outputs", "shared_parameters", "subnet_hooks",
+           "trained_settings", "twist_extract", "twist_train", "unflatten"]

@@ -96,7 +96,7 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
 
 
 def refit_subnet_(subnet: nn.Module, original: nn.Module, calib: torch.Tensor, progress: bool = True) -> dict:
-    """The closed-form compensation of a cut-out subnet (issue 45's, as for every width-reducing method): the down
+    """The closed-form compensation of a cut-out subnet (as every width-reducing method of the package has): the down
     projection of each MLP the subnet narrowed refit by ridge least squares, layer after layer, to the original MLP's
     output on the inputs the subnet itself produces there (methods/reconstruct/layer.py `refit_model_`, sequential
     calibration on `calib`, (N, T) token ids). In place. Attention keeps its cut-out heads as they are (their output
