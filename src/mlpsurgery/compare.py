@@ -91,14 +91,14 @@ class CompareConfig:
         if self.local_epochs > 0 and self.data_free:
             raise MLPSurgeryError("local tuning trains each layer on its calibration rows: drop --data-free or "
                                   "--local-epochs")
-        if self.budget not in ("uniform", "per-layer", "auto"):
-            raise MLPSurgeryError(f"budget must be uniform, per-layer or auto, not {self.budget!r}")
-        if self.budget != "uniform":
+        if self.budget not in ("uniform", "per-layer"):
+            raise MLPSurgeryError(f"budget must be uniform or per-layer, not {self.budget!r}")
+        if self.budget == "per-layer":
             other = [m for m in self.methods if m not in FUSE_METHODS]
             if self.data_free or other:
-                raise MLPSurgeryError(f"--budget {self.budget} allots the width of fuse's methods by sensitivity "
-                                      "measured on calibration data: drop " + ("--data-free" if self.data_free else
-                                                                               f"{', '.join(other)} from --methods")
+                raise MLPSurgeryError("--budget per-layer allots the width of fuse's methods by sensitivity measured on "
+                                      "calibration data: drop " + ("--data-free" if self.data_free else
+                                                                   f"{', '.join(other)} from --methods")
                                       + " (or the per-layer budget)")
         bad = [b for b in self.budgets if not 0 < b < 1]
         if bad or not self.budgets:
@@ -180,10 +180,8 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
                                       budget=cfg.budget),
                       progress=False, calib_data=calib if aware else None)
         info = {"width": width, "data": "calibration, sequential" if aware else "none"}
-        if report.get("budget"):  # the per-layer widths (the total is the uniform one's), and auto's choice
+        if report.get("budget"):  # the per-layer widths (the total is the uniform one's)
             info["widths"] = {str(i): w for i, w in report["widths"].items()}
-            if report.get("budget_choice"):
-                info["budget_choice"] = report["budget_choice"]
         return m, {**info, **_local_info([r.get("local") for r in report["sites"]])}
     if method == "nsn":
         if "nested" not in cache:
@@ -453,8 +451,7 @@ def markdown(r: dict) -> str:
             loc = f"local {p['local']['epochs']:g} epochs, {p['local']['steps']} steps, {p['local']['seconds']:.0f} s"
             rec = loc if rec == "-" else f"{loc}; {rec}"
         label = "NSN (local-tuned)" if p["method"] == "nsn" and p.get("local") else LABELS.get(p["method"], p["method"])
-        kept = f"{p['budget']:g}" + ("" if not p.get("widths") else " (auto: uniform)" if (p.get("budget_choice") or {})
-                                     .get("kept") == "uniform" else " (per layer)")
+        kept = f"{p['budget']:g}" + (" (per layer)" if p.get("widths") else "")
         lines.append(f"| {label} | {kept} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "
                      f"{sp['decode']:.2f}x | {p['ideal_speedup']:.2f}x | {p['measured_over_ideal']['prefill']:.2f} | "

@@ -69,10 +69,10 @@ def register(sub, groups) -> None:
                    help="on-policy local tuning of every compressed layer of fuse's methods and Fisher blocks in the "
                         "calibration pass, and of NSN's nested MLPs at every rank at once (E epochs over its rows; "
                         "gradient steps, recorded per point; 0: none)")
-    p.add_argument("--budget", choices=("uniform", "per-layer", "auto"), default="uniform",
+    p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
                    help="uniform: every chosen layer keeps the budget's fraction; per-layer: the same total width, "
-                        "each layer's chosen by its measured sensitivity, fragile ones left whole; auto: both made, "
-                        "the one nearer the original on the calibration probe kept (fuse's methods, with calibration)")
+                        "each layer's chosen by its measured sensitivity, fragile ones left whole (fuse's methods, "
+                        "with calibration)")
     p.add_argument("--recover-seconds", type=number(0, low_open=True),
                    help="stop each point's recovery after this many seconds (steps done are recorded)")
     p.add_argument("--recover-lr", type=number(0, 1, low_open=True),

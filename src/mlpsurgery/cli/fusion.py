@@ -40,7 +40,7 @@ def run_fuse(args) -> dict:
         raise MLPSurgeryError("--calib-data is for the data-aware fuse in one process; drop it with --data-free or "
                               "torchrun (those compress data-free)")
     if args.budget != "uniform" and (args.data_free or args.layerwise or world > 1 or args.method == "magnitude"):
-        raise MLPSurgeryError(f"--budget {args.budget} is measured on calibration data with the whole model, which "
+        raise MLPSurgeryError("--budget per-layer is measured on calibration data with the whole model, which "
                               "--data-free, --layerwise, torchrun and magnitude do not do: drop it, or those")
     if args.local_epochs > 0 and (args.data_free or world > 1 or args.method == "magnitude"
                                   or (args.layerwise and not args.calib_data)):
@@ -314,10 +314,9 @@ def register(sub, groups) -> None:
     p.add_argument("--calibration", choices=("sequential", "original"), default="sequential",
                    help="sequential (default): each layer on what the compressed layers before it produce; original: "
                         "every layer on the original model's activations")
-    p.add_argument("--budget", choices=("uniform", "per-layer", "auto"), default="uniform",
+    p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
                    help="uniform: every chosen layer at --width; per-layer: the same total width, each layer's chosen "
-                        "by its measured effect on the model's output; auto: both made, the one nearer the original "
-                        "on the calibration probe kept (calibrated mode only)")
+                        "by its measured effect on the model's output (calibrated mode only)")
     p.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
                    help="on-policy local tuning: after its refit, each layer's MLP trained E epochs over its "
                         "calibration rows toward the original's output on them (gradient steps; 0: one-shot, default; "

@@ -215,11 +215,9 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
     gen = torch.Generator().manual_seed(cfg.seed)
     rows: dict[int, dict] = {}
     widths = {i: k for i in layers}
-    plan = uniform = None
-    if cfg.budget != "uniform":
+    plan = None
+    if cfg.budget == "per-layer":
         plan = plan_widths(model, calib, widths, progress=progress)
-        if cfg.budget == "auto" and any(p.width != k for p in plan):  # the uniform budget's model made too (below)
-            uniform = _UniformRival(model, calib)
         widths = {p.layer: p.width for p in plan}
     original = capture = None
     if tune_data is not None:  # the original MLPs' inputs and outputs on the tune text, before any change
@@ -242,17 +240,11 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
     else:
         for i in tqdm(layers, desc=cfg.method, unit="layer", disable=not progress):
             work(i, original.layer(i)[0])
-    choice = None
-    if uniform is not None:
-        choice = uniform.settle(model, cfg, layers, k, rows, progress)
-        if choice["kept"] == "uniform":
-            widths = {i: k for i in layers}
     report = {"method": cfg.method, "width": k, "layers": layers, "config": asdict(cfg),
               "sites": [rows[i] for i in layers],
               "calibration": {"mode": cfg.calibration, "blocks": list(calib.shape), "tokens": int(calib.numel())},
               "widths": {i: widths[i] for i in layers},
               "budget": None if plan is None else [asdict(p) for p in plan],
-              "budget_choice": choice,
               "error_inputs": calibration_inputs(cfg, probes)}
     if capture is not None:
         report["tuning"] = tune_layers(model, capture, layers, cfg, progress=progress, checkpoint_dir=checkpoint_dir,
@@ -267,39 +259,3 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
 
 def _digest(t: Tensor) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
-
-
-class _UniformRival:
-    """budget 'auto': the per-layer plan is measured one layer at a time, and when much of every layer goes the layers'
-    errors compound in ways those probes miss (on SmolLM2 it wins at 0.75 and loses at 0.5). So the uniform budget's
-    model is made as well, from a copy of the original taken now, and whichever of the two moves the model's output
-    less on the budget's probe blocks (KL from the original's next-token distribution) is kept."""
-
-    def __init__(self, model: nn.Module, calib: Tensor):
-        import copy
-
-        from ..reconstruct.budget import PROBE_BLOCKS, _Probe
-
-        self.original, self.calib = copy.deepcopy(model), calib
-        self.probe = _Probe(model, calib[:PROBE_BLOCKS])
-
-    def settle(self, model: nn.Module, cfg: FusionConfig, layers: list[int], k: int, rows: dict, progress: bool) -> dict:
-        """Compress the copy at the uniform width (cfg otherwise), compare, and put the uniform model's MLPs and report
-        rows in place of the planned ones when they measure better. Returns both distances and which was kept."""
-        from dataclasses import replace
-
-        planned = self.probe.distance(model)
-        rival = self.original
-        rep = _fuse_calibrated(rival, replace(cfg, budget="uniform"), layers, k, self.calib, None, progress, None)
-        level = self.probe.distance(rival)
-        kept = "per-layer" if planned <= level else "uniform"
-        if kept == "uniform":
-            mine, theirs = find_sites(model), find_sites(rival)
-            for i, row in zip(layers, rep["sites"]):
-                mine.mlp[i].set_modules(theirs.mlp[i].modules())
-                rows[i] = row
-        self.original = None
-        return {"per_layer_distance": planned, "uniform_distance": level, "kept": kept,
-                "measured_on": f"{len(self.probe.blocks)} calibration blocks, "
-                               + ("KL from the original's next-token distribution" if self.probe.lm
-                                  else "relative change of the final hidden states")}

@@ -13,7 +13,7 @@ METHODS = ("fusion", "cluster", "svd", "sketch", "mmd", "magnitude", "neuron", "
 DEFAULT_LAYERS = "last2/3"
 IMPORTANCE = ("auto", "weight", "obs", "output", "activation")
 CALIBRATION = ("sequential", "original", "corrective")
-BUDGETS = ("uniform", "per-layer", "auto")
+BUDGETS = ("uniform", "per-layer")
 CLUSTER_ON = ("auto", "weights", "activations")
 
 
@@ -47,8 +47,7 @@ class FusionConfig:
     whiten: bool = True  # svd: factorise each projection in the metric of its inputs (SVD-LLM) instead of plainly
     calib_batch: int = 8  # calibration blocks per forward
     budget: str = "uniform"  # uniform: every layer at width k | per-layer: the same total width, each layer's by its
-    # measured sensitivity (methods/reconstruct/budget.py; needs calibration data) | auto: both compressed, the one whose
-    # output is nearer the original's on the budget's probe blocks kept
+    # measured sensitivity (methods/reconstruct/budget.py; needs calibration data)
     # on-policy local tuning (methods/reconstruct/local.py; needs calibration data): after its compression and refit,
     # each layer's MLP trained this many epochs over its calibration rows toward the original sub-block's output on
     # them (Adam, local_lr, cosine), before the next layer is calibrated on what it produces. 0: one-shot (default)

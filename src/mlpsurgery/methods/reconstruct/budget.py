@@ -72,15 +72,7 @@ class _Probe:
             base = getattr(self.model, "base_model", self.model)
             return base(input_ids=x.to(self.device)).last_hidden_state.float()
 
-    def distance(self, model: nn.Module | None = None) -> float:
-        """How far `model` (default: the model the probe was made on, as it is now) is from the reference outputs."""
-        was, self.model = self.model, model if model is not None else self.model
-        try:
-            return self._distance()
-        finally:
-            self.model = was
-
-    def _distance(self) -> float:
+    def distance(self) -> float:
         total, norm = 0.0, 0.0
         for n, b in enumerate(range(0, len(self.blocks), 4)):
             out, ref = self._out(self.blocks[b:b + 4]), self.reference[n]
