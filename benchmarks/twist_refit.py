@@ -44,6 +44,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Cache(out / "results.json")
+    settings = {k: getattr(args, k) for k in ("steps", "keep", "tokens", "calib_blocks")}
+    if cache.data.setdefault("settings", settings) != settings:
+        raise SystemExit(f"{out} holds results made with {cache.data['settings']}, not {settings}: use another --out")
     loaded, corpus, calib = harness.smollm2_calibration(128, args.calib_blocks)
     pretrained = loaded.model
     cfg = TwISTConfig(workers=3, blocks=R, keep=args.keep, parts="ffn", interval=15, steps=args.steps, batch_size=1,
