@@ -169,3 +169,6 @@ def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blo
                      "--out", str(tmp_path / "x")])
         err = capsys.readouterr().err
         assert code == 2 and "--refit" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
+    code = main([*common[:4], "--sparsity", "0", *common[6:], "--refit", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err  # sparsity 0 keeps every block: nothing narrowed, nothing to refit
+    assert code == 2 and "narrowed no MLP" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()

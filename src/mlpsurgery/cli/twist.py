@@ -197,15 +197,15 @@ def render_extract(r: dict) -> str:
             f"{human_count(r['params_before'])} -> {human_count(r['params_after'])} parameters (attention "
             f"{human_count(r['attention_params'][0])} -> {human_count(r['attention_params'][1])}, MLP "
             f"{human_count(r['mlp_params'][0])} -> {human_count(r['mlp_params'][1])})\n  {how}\n"
-            + (_refit_line(r["refit"]) if r.get("refit") else "") + f"  saved to {r['out']}")
+            + (_refit_line(r["refit"]["layers"], "on {} x {} calibration tokens".format(*r["refit"]["calibration"]))
+               + "\n" if r.get("refit") else "") + f"  saved to {r['out']}")
 
 
-def _refit_line(refit: dict) -> str:
-    errs = refit["layers"].values()
-    mean = lambda k: sum(e[k] for e in errs) / len(errs)  # noqa: E731
-    n, t = refit["calibration"]
-    return (f"  down projections of {len(refit['layers'])} narrowed MLPs refit on {n} x {t} calibration tokens: "
-            f"relative output error {mean('error_before'):.3f} -> {mean('error_after'):.3f} (mean over layers)\n")
+def _refit_line(errors: dict, where: str) -> str:
+    """The summary line of a refit's {layer: {"error_before", "error_after"}} (twist extract, prune --refit)."""
+    mean = {k: sum(e[k] for e in errors.values()) / len(errors) for k in ("error_before", "error_after")}
+    return (f"  down projections of {len(errors)} narrowed MLPs refit {where}: relative output error "
+            f"{mean['error_before']:.3f} -> {mean['error_after']:.3f} (mean over layers)")
 
 
 # ---- prune ------------------------------------------------------------------------------------------
@@ -241,13 +241,12 @@ def run_prune(args) -> dict:
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
                           blocks=args.blocks, seed=args.seed, progress=progress(args), pattern=pattern)
     if args.refit:  # the closed-form compensation, on what the pruned layers before each produce
-        from ..methods.reconstruct.layer import refit_model_
+        from ..methods.reconstruct.layer import refit_narrowed_
 
-        before, after = find_sites(loaded.model), find_sites(model)
-        narrowed = [i for i in layers if after.mlp[i].h < before.mlp[i].h]
-        stage(args, f"refitting {len(narrowed)} narrowed MLPs on {blocks.numel():,} calibration tokens")
-        fitted = refit_model_(model, loaded.model, blocks, narrowed, progress=progress(args))
-        report["refit"] = {str(i): {k: fitted[i][k] for k in ("error_before", "error_after")} for i in narrowed}
+        stage(args, f"refitting the narrowed MLPs on {blocks.numel():,} calibration tokens")
+        errors = refit_narrowed_(model, loaded.model, blocks, what=f"{args.method} pruning at this sparsity",
+                                 progress=progress(args))
+        report["refit"] = {str(i): e for i, e in errors.items()}
     stage(args, f"saving to {args.out}")
     save(model, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.model, args.data])
     res = {**report, "out": args.out, "model": loaded.source, "layers": layers,
@@ -335,10 +334,7 @@ def render_prune(r: dict) -> str:
                          f"{sum(x['error_rel'] for x in errs) / len(errs):.4f}, largest {worst['error_rel']:.4f} "
                          f"(layer {worst['layer']})")
     if r.get("refit"):
-        e = r["refit"].values()
-        lines.append(f"  down projections of {len(e)} narrowed MLPs refit: relative output error "
-                     f"{sum(x['error_before'] for x in e) / len(e):.3f} -> {sum(x['error_after'] for x in e) / len(e):.3f}"
-                     " (mean over layers, on the calibration inputs)")
+        lines.append(_refit_line(r["refit"], "on the calibration inputs"))
     lines.append(f"  saved to {r['out']}")
     if r.get("plot"):
         lines.append(f"  plot: {r['plot']}")

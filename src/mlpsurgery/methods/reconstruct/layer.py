@@ -151,3 +151,18 @@ def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: l
         return info
 
     return sequential(model, calib, layers, work, progress=progress, desc="refit")
+
+
+def refit_narrowed_(model: nn.Module, original: nn.Module, calib: Tensor, what: str = "the model",
+                    progress: bool = False) -> dict[int, dict]:
+    """`refit_model_` on every MLP that `model` (a narrowed copy of `original`: a cut-out subnet, pruned blocks) has
+    narrower than `original` has it. Returns {layer: {"error_before", "error_after"}}; refused when `what` narrowed
+    none (there is no down projection to refit)."""
+    from ...sites import find_sites
+
+    new, old = find_sites(model), find_sites(original)
+    layers = [s.index for s in new.mlp if s.h < old.mlp[s.index].h]
+    if not layers:
+        raise MLPSurgeryError(f"{what} narrowed no MLP: there is no down projection to refit; drop the refit")
+    fitted = refit_model_(model, original, calib, layers, progress=progress)
+    return {i: {k: fitted[i][k] for k in ("error_before", "error_after")} for i in layers}

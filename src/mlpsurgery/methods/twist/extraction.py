@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...errors import MLPSurgeryError
 from ...io import history as method_history
 from ...io import record
 from ...subsets import subset_model
@@ -101,14 +100,9 @@ def refit_subnet_(subnet: nn.Module, original: nn.Module, calib: torch.Tensor, p
     output on the inputs the subnet itself produces there (methods/reconstruct/layer.py `refit_model_`, sequential
     calibration on `calib`, (N, T) token ids). In place. Attention keeps its cut-out heads as they are (their output
     projection is not refit). Returns {layer: relative output error before / after} and records the refit."""
-    from ..reconstruct.layer import refit_model_
+    from ..reconstruct.layer import refit_narrowed_
 
-    new, old = find_sites(subnet), find_sites(original)
-    layers = [s.index for s in new.mlp if s.h < old.mlp[s.index].h]
-    if not layers:
-        raise MLPSurgeryError("the subnet narrowed no MLP (parts 'attn'?): there is no down projection to refit; "
-                              "drop the refit")
-    fitted = refit_model_(subnet, original, calib, layers, progress=progress)
-    record(subnet, "twist-refit", {"layers": layers}, calib_tokens=int(calib.numel()),
+    errors = refit_narrowed_(subnet, original, calib, what="the subnet (parts 'attn'?)", progress=progress)
+    record(subnet, "twist-refit", {"layers": list(errors)}, calib_tokens=int(calib.numel()),
            calib_blocks=list(calib.shape))
-    return {i: {k: fitted[i][k] for k in ("error_before", "error_after")} for i in layers}
+    return errors
