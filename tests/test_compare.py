@@ -140,6 +140,23 @@ def test_compare_with_local_tuning_records_it_per_point_and_a_rerun_without_it_i
     assert code == 2 and "--local-epochs" in err and err.count("\n") == 1 and not (tmp_path / "f").exists()
 
 
+def test_compare_distillation_of_the_chosen_layers_whole_is_recorded_and_needs_distill(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--budgets", "0.5",
+                              "--recover", "distill", "--recover-steps", "2", "--recover-train", "layers",
+                              "--no-models", "--json", *SMALL], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    assert r["points"][0]["recovery"]["train"] == "layers" and r["points"][0]["recovery"]["steps"] == 2
+    assert "distill (layers whole), 2 steps" in (out / "frontier.md").read_text()
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--budgets", "0.5",
+                         "--recover", "distill", "--recover-steps", "2", "--no-models", *SMALL], capsys)
+    assert code == 2 and "other settings" in err and "recover_train" in err
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "lw"), "--recover-steps", "2",
+                         "--recover-train", "layers", *SMALL], capsys)
+    assert code == 2 and "--recover distill" in err and err.count("\n") == 1 and not (tmp_path / "lw").exists()
+
+
 def test_compare_with_per_layer_budgets_keeps_the_total_width_and_records_each_layer(tmp_path, capsys):
     out = tmp_path / "cmp"
     code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron", "--layers", "all",

@@ -233,6 +233,23 @@ def test_distillation_recovery_lowers_the_kl_and_trains_only_the_chosen_mlps():
         assert p.requires_grad  # given back as it was
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_distillation_of_the_chosen_layers_whole_trains_their_attention_and_nothing_else(arch):
+    model = tiny_model(arch, num_hidden_layers=3)
+    student = copy.deepcopy(model)
+    fuse(student, FusionConfig(width=16, method="random", layers="1,2"), progress=False)
+    before = {n: p.clone() for n, p in student.named_parameters()}
+    rep = distill(student, model, _blocks(16, 24), [1, 2], steps=30, lr=3e-3, progress=False, train="layers")
+    assert rep["train"] == "layers" and rep["loss_last"] < rep["loss_first"]
+    layers = find_sites(student).layers()
+    chosen = {id(p) for i in (1, 2) for p in layers[i].parameters()}
+    attn = {id(p) for i in (1, 2) for p in find_sites(student).attn[i].parameters()}
+    moved = {id(p) for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+    assert moved <= chosen and moved & attn  # the chosen layers' attention trained, nothing outside them
+    with pytest.raises(MLPSurgeryError, match="recovery trains"):
+        distill(student, model, _blocks(16, 24), [1], steps=1, progress=False, train="everything")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_refit_of_a_model_narrowed_without_data_lowers_every_layers_error(arch):
     from mlpsurgery.methods.pruning import prune

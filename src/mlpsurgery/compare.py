@@ -41,6 +41,7 @@ DEFAULT_METHODS = ("fusion", "cluster", "svd", "sketch", "neuron", "random", "ns
 NEEDS_DATA = ("fisher", "wanda", "sparsegpt", "wanda-2:4", "sparsegpt-2:4")
 RECOVERY = ("layerwise", "distill")
 RECOVER_LR = {"layerwise": 1e-3, "distill": 3e-4}
+RECOVER_TRAIN = ("mlp", "layers")  # what the distillation trains (methods/reconstruct/distill.py)
 RECOVER_BLOCKS = 4096  # train-split blocks the distillation draws its batches from
 LABELS = {"fusion": "MLP Fusion", "cluster": "k-means cluster", "svd": "SVD", "sketch": "sketch", "neuron":
           "neuron pruning", "random": "random neurons", "mmd": "MMD", "nsn": "NSN (untrained)",
@@ -65,6 +66,8 @@ class CompareConfig:
     recover: str = "layerwise"  # layerwise (each MLP toward the original's output on captured inputs) | distill (the
     # whole model toward the original's next-token distribution, on-policy: methods/reconstruct/distill.py)
     recover_seconds: float | None = None  # stop each point's recovery after this many seconds
+    recover_train: str = "mlp"  # what the distillation trains: the chosen MLPs | 'layers', the chosen decoder layers
+    # whole (attention and norms too; the rest of the model stays the original's either way)
     budget: str = "uniform"  # uniform: every chosen layer at the budget | per-layer: the same total width, each layer's
     # by its measured sensitivity (fuse's methods only; methods/reconstruct/budget.py, needs calibration)
     local_epochs: float = 0.0  # on-policy local tuning of each compressed layer in the calibration pass (fuse's
@@ -86,6 +89,11 @@ class CompareConfig:
             raise MLPSurgeryError("no methods chosen")
         if self.recover not in RECOVERY:
             raise MLPSurgeryError(f"recovery must be one of {', '.join(RECOVERY)}, not {self.recover!r}")
+        if self.recover_train not in RECOVER_TRAIN:
+            raise MLPSurgeryError(f"the recovery trains {' or '.join(RECOVER_TRAIN)}, not {self.recover_train!r}")
+        if self.recover_train != "mlp" and self.recover != "distill":
+            raise MLPSurgeryError("only the distillation recovery can train the chosen layers whole (layer-wise "
+                                  "recovery fits each MLP alone): add --recover distill or drop --recover-train")
         if self.local_epochs < 0 or self.local_epochs != self.local_epochs:
             raise MLPSurgeryError(f"local tuning epochs must be >= 0, not {self.local_epochs}")
         if self.local_epochs > 0 and self.data_free:
@@ -119,6 +127,8 @@ class CompareConfig:
         if self.recover != "layerwise":
             out["recover"] = self.recover
             out["recover_seconds"] = self.recover_seconds
+        if self.recover_train != "mlp":  # (absent when off, as data_free)
+            out["recover_train"] = self.recover_train
         return out
 
 
@@ -265,7 +275,7 @@ def _recover(candidate: nn.Module, capture, cfg: CompareConfig, teacher: nn.Modu
     t0 = time.perf_counter()
     if cfg.recover == "distill":
         return distill(candidate, teacher, blocks, layers, cfg.recover_steps, lr=lr, seconds=cfg.recover_seconds,
-                       seed=cfg.seed, progress=False)
+                       seed=cfg.seed, progress=False, train=cfg.recover_train)
     tcfg = FusionConfig(tune_steps=cfg.recover_steps, tune_lr=lr, seed=cfg.seed)
     out = tune_layers(candidate, capture, layers, tcfg, progress=False)
     out.setdefault("seconds", time.perf_counter() - t0)
@@ -335,7 +345,7 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
         row["ppl_s"] = time.perf_counter() - t0
         if recovery is not None:
             row["recovery"] = {k: recovery.get(k) for k in ("kind", "steps", "mse_before", "mse_after", "loss_first",
-                                                            "loss_last", "seconds", "tokens")}
+                                                            "loss_last", "seconds", "tokens", "train")}
         return row
 
     stage("measuring the original", progress)
@@ -444,7 +454,9 @@ def markdown(r: dict) -> str:
     for p in sorted(r["points"], key=lambda p: (order.get(p["method"], 99), -p["budget"])):
         sp = p["speed"]["ratio"]
         nz = f" ({_h(p['nonzero_params'])} nonzero)" if p["nonzero_params"] < 0.995 * p["params"] else ""
-        rec = "-" if not p.get("recovery") else (f"{p['recovery'].get('kind') or 'layerwise'}, "
+        rec = "-" if not p.get("recovery") else (f"{p['recovery'].get('kind') or 'layerwise'}"
+                                                 + (" (layers whole)" if p["recovery"].get("train") == "layers" else "")
+                                                 + ", "
                                                  f"{p['recovery'].get('steps', '?')} steps, "
                                                  f"{p['recovery'].get('seconds') or 0:.0f} s")
         if p.get("local"):

@@ -17,6 +17,7 @@ def run_compare(args) -> dict:
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
                           calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
                           data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
+                          recover_train=args.recover_train,
                           local_epochs=args.local_epochs, budget=args.budget,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
@@ -65,6 +66,9 @@ def register(sub, groups) -> None:
                    help="layerwise (each MLP trained to the original's output on the calibration blocks' captured "
                         "inputs) or distill (the whole model toward the original's next-token distribution, on its "
                         "own activations, batches of 4 train blocks)")
+    p.add_argument("--recover-train", choices=("mlp", "layers"), default="mlp",
+                   help="what --recover distill trains: the chosen MLPs (mlp, the default: the rest of the model stays "
+                        "the original's) or the chosen decoder layers whole (layers: attention and norms too)")
     p.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
                    help="on-policy local tuning of every compressed layer of fuse's methods and Fisher blocks in the "
                         "calibration pass, and of NSN's nested MLPs at every rank at once (E epochs over its rows; "
