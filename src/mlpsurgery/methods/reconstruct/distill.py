@@ -1,10 +1,9 @@
 """Cheap end-to-end recovery: a compressed model distilled toward the original's next-token distribution (KL on the
-full vocabulary, temperature 1), training the chosen layers' MLP parameters (what the compression changed; `train='mlp'`)
-or every parameter of the chosen decoder layers (`train='layers'`: attention and norms too, so the layers around a
-narrowed MLP adapt to it; on SmolLM2 at half width, 600 s of recovery, 47.55 -> 47.15, docs/frontier.md#recovery) on
-calibration blocks. Unlike layer-wise tuning, every step sees the compressed model's own activations (on-policy) and
-aims at what matters in the end, the output distribution; it costs a teacher forward and a student forward and
-backward per step.
+full vocabulary, temperature 1), training the chosen layers' MLP parameters (what the compression changed;
+`train='mlp'`) or every parameter of the chosen decoder layers (`train='layers'`: attention and norms too, so the
+layers around a narrowed MLP adapt to it; docs/frontier.md#recovery) on calibration blocks. Unlike layer-wise
+tuning, every step sees the compressed model's own activations (on-policy) and aims at what matters in the end, the
+output distribution; it costs a teacher forward and a student forward and backward per step.
 
 For a model without an LM head the final hidden states are matched instead (mean squared error, relative to the
 teacher's). AdamW with mlpsurgery.train.fit: warm-up, cosine schedule, clip, checkpoint and resume; with a time budget
@@ -88,7 +87,8 @@ def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list
         teacher.train(was[1])
     losses = [h["loss"] for h in res.history]
     tenth = max(1, len(losses) // 10)
-    return {"kind": "distill", "train": train, "steps": len(losses), "steps_asked": steps, "lr": lr, "batch": batch_size,
+    return {"kind": "distill", "train": train, "steps": len(losses), "steps_asked": steps, "lr": lr,
+            "batch": batch_size,
             "seconds": time.perf_counter() - t0, "loss_first": sum(losses[:tenth]) / tenth if losses else None,
             "loss_last": sum(losses[-tenth:]) / tenth if losses else None, "stopped": res.stopped_early,
             "tokens": len(losses) * batch_size * blocks.shape[1]}
