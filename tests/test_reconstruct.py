@@ -55,49 +55,6 @@ def test_whitened_svd_is_exact_at_full_rank_and_each_prefix_is_the_best_of_its_r
             assert abs(err_white / total - float(expected[r])) < 1e-3
 
 
-def test_split_ranks_keeps_the_factored_weights_and_moves_rank_to_the_down_projection():
-    from mlpsurgery.methods.reconstruct.layer import split_ranks
-
-    shapes = {"gate": (1536, 576), "up": (1536, 576), "down": (576, 1536)}
-    base = {r: 209 for r in shapes}
-    total = sum(base[r] * sum(shapes[r]) for r in shapes)
-    assert split_ranks(shapes, base, 1.0) == base
-    for share in (1.25, 1.5, 2.0):
-        got = split_ranks(shapes, base, share)
-        spent = sum(got[r] * sum(shapes[r]) for r in shapes)
-        assert got["down"] == round(209 * share) and got["gate"] == got["up"] < 209
-        assert total - 2 * sum(shapes["gate"]) < spent <= total  # the same weights, to within a rank of each input
-    assert split_ranks(shapes, {"gate": 1, "up": 1, "down": 1}, 2.0) is None  # the input side would drop below 1
-
-
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_whitened_svd_split_is_chosen_on_the_layers_rows_and_never_worse_than_the_uniform_one(arch):
-    from mlpsurgery.methods.reconstruct.layer import whitened_svd_
-
-    model = tiny_model(arch)
-    x = capture_mlp_io(model, _blocks(), layers=[0], progress=False)
-    rank = lambda o, i: max(1, o * i // 4 // (o + i))  # noqa: E731  (a quarter of each projection's weights)
-    original = find_sites(model).mlp[0].read()
-    errors = {}
-    for split in (False, True):
-        m = copy.deepcopy(model)
-        site = find_sites(m).mlp[0]
-        xin = mlp_inputs(site, x.layer(0)[0])
-        rows = whitened_svd_(site, rank, xin, split=split)
-        factored = sum(r["rank"] * sum(r["shape"]) for r in rows)
-        with torch.no_grad():
-            errors[split] = float((site.read()(xin) - original(xin)).pow(2).sum())
-        if split:
-            tried = rows[-1]["split"]["tried"]
-            assert tried[0]["down_share"] == 1.0 and rows[-1]["split"]["down_share"] in [t["down_share"] for t in tried]
-            assert min(t["error"] for t in tried) == next(t["error"] for t in tried
-                                                          if t["down_share"] == rows[-1]["split"]["down_share"])
-            assert factored <= uniform
-        else:
-            uniform = factored
-    assert errors[True] <= errors[False] * (1 + 1e-4)
-
-
 def test_nest_with_calibration_is_exact_at_full_rank_nested_and_better_below_it(ids):
     model = tiny_model("llama")
     calib = _blocks()

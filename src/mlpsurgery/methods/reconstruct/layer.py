@@ -5,10 +5,9 @@
 - `refit_module_`: the down projection of a narrowed DenseMLP / FusedMLP refit to the original MLP's output
   (refit.py); a FusedMLP keeps P stand-alone (the refit solves for P W~2 and divides P back out, so the forward is the
   refit one while the gradient keeps the paper's form);
-- `whitened_svd_`: every projection of an MLP replaced by its whitened truncated SVD (whiten.py) at the weights the
+- `whitened_svd_`: every projection of an MLP replaced by its whitened truncated SVD (whiten.py) at the rank the
   svd baseline gives it: up / gate in the metric of the MLP inputs, down refit to the original output and truncated
-  in the metric of the new inner activations (reduced-rank regression), the budget split between the input side and
-  the down projection where the layer's calibration rows say it fits best."""
+  in the metric of the new inner activations (reduced-rank regression)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from torch import Tensor, nn
 from ...modules.fused import TruncatedSVDLinear
 from ...errors import MLPSurgeryError
 from ...sites import MLPSite, MLPWeights, linear_weight
-from .refit import RIDGE, fit_error, refit_down, refit_stats, solve_down
+from .refit import RIDGE, refit_down, refit_stats, solve_down
 from .local import LOCAL_LR, subblock_rows, tune_local_
 from .whiten import whitened_factors
 
@@ -79,103 +78,46 @@ def refit_module_(module: nn.Module, target: MLPWeights, xin: Tensor, ridge: flo
     return info
 
 
-SPLIT_SHARES = (1.0, 1.25, 1.5, 1.75, 2.0)  # the down projection's rank, x the uniform split's, tried per layer
-SPLIT_ROWS = 8192  # calibration rows the split is chosen on (evenly spaced)
-
-
-def split_ranks(shapes: dict[str, tuple[int, int]], base: dict[str, int], share: float) -> dict[str, int] | None:
-    """Ranks with the same factored weights as `base` (role -> rank; shapes role -> (out, in)), the down projection's
-    multiplied by `share` (at most its full rank) and the input side's scaled down together to pay for it; None when an
-    input projection would drop below rank 1."""
-    cost = {r: o + i for r, (o, i) in shapes.items()}
-    total = sum(base[r] * cost[r] for r in base)
-    down = min(round(base["down"] * share), min(shapes["down"]))
-    inputs = [r for r in base if r != "down"]
-    spare = total - down * cost["down"]
-    old = sum(base[r] * cost[r] for r in inputs)
-    out = {r: base[r] * spare // old for r in inputs} if old > 0 else {}
-    if any(v < 1 for v in out.values()):
-        return None
-    out["down"] = down
-    return out
-
-
-def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True, split: bool = True) -> list[dict]:
-    """Replace each projection of the (stock) MLP at `site` by its whitened truncated SVD, fitted on the MLP inputs
-    xin; rank_of(out, in) gives each projection's rank under a uniform split of the budget. Returns per projection its
-    shape, rank and relative truncation error.
+def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True) -> list[dict]:
+    """Replace each projection of the (stock) MLP at `site` by its whitened truncated SVD at rank rank_of(out, in),
+    fitted on the MLP inputs xin; returns per projection its shape, rank and relative truncation error.
 
     up / gate (Phi-3's gate_up) are factorised in the metric of xin. The down projection then, with refit, is the
     reduced-rank regression of the original MLP's output on the inner activations the truncated up / gate produce:
     the least-squares down projection on them, truncated in their metric (the best rank-r map from what the layer now
     computes to what it computed); without refit, the original down projection in the metric of the original inner
-    activations.
-
-    split (with refit): the same factored weights, shared between the input side and the down projection as the
-    layer's own calibration rows say: the down projection's rank at SPLIT_SHARES x the uniform one (the input
-    projections' ranks lowered to pay for it), each split's MLP output error measured on up to SPLIT_ROWS rows, the
-    lowest kept (on SmolLM2 the down projection is worth more rank than the uniform split gives it, docs/frontier.md)."""
+    activations."""
     w = site.read()
     xin = xin.to(w.up)
     C_in = second_moment(xin)
+    ranks = []
+
+    def replace(role: str, mod: nn.Module, weight: Tensor, bias: Tensor | None, C: Tensor) -> None:
+        out_f, in_f = weight.shape
+        rank = rank_of(out_f, in_f)
+        B, A, sig = whitened_factors(weight, C)
+        site.replace_linear(role, TruncatedSVDLinear.from_factors(B[:, :rank], A[:rank], bias, like=weight,
+                                                                  dense_class=type(mod).__name__))
+        e = sig.double() ** 2
+        ranks.append({"projection": role, "shape": [out_f, in_f], "rank": rank,
+                      "truncation_error": float(e[rank:].sum() / e.sum().clamp_min(1e-300))})
+
     linears = site.linears()
-    shapes = {role: tuple(linear_weight(mod)[0].shape) for role, mod in linears.items()}
-    base = {role: rank_of(*shape) for role, shape in shapes.items()}
-    factors = {role: whitened_factors(linear_weight(mod)[0], C_in) for role, mod in linears.items() if role != "down"}
-    down_w, down_b = linear_weight(linears["down"])
-
-    def put_inputs(ranks: dict[str, int]) -> None:
-        for role, (B, A, _) in factors.items():
-            weight, bias = linear_weight(linears[role])
-            site.replace_linear(role, TruncatedSVDLinear.from_factors(B[:, :ranks[role]], A[:ranks[role]], bias,
-                                                                      like=weight,
-                                                                      dense_class=type(linears[role]).__name__))
-
-    def down_fit(x: Tensor, rank: int):  # the reduced-rank regression on the truncated input side now in the site
-        stats = refit_stats(site.read(), w, x)
-        D, b = solve_down(stats, down_b is not None)
-        B, A, sig = whitened_factors(D, stats.G / max(stats.n, 1))
-        return stats, D, b, B[:, :rank], A[:rank], sig
-
-    ranks, chosen = base, None
-    if refit and split:
-        rows = xin[torch.linspace(0, len(xin) - 1, min(len(xin), SPLIT_ROWS)).long()]
-        tried = []
-        for share in SPLIT_SHARES:
-            cand = split_ranks(shapes, base, share)
-            if cand is None or any(tuple(cand.items()) == tuple(t["ranks"].items()) for t in tried):
-                continue
-            put_inputs(cand)
-            stats, _, b, B, A, _ = down_fit(rows, cand["down"])
-            tried.append({"share": share, "ranks": cand, "error": fit_error(stats, B @ A, b)})
-        chosen = min(tried, key=lambda t: t["error"])
-        ranks = chosen["ranks"]
-    out = []
-    put_inputs(ranks)
-    for role, (_, _, sig) in factors.items():
-        out.append(_rank_row(role, shapes[role], ranks[role], sig))
+    for role, mod in linears.items():
+        if role != "down":
+            weight, bias = linear_weight(mod)
+            replace(role, mod, weight, bias, C_in)
+    down = linears["down"]
+    weight, bias = linear_weight(down)
     if not refit:
-        B, A, sig = whitened_factors(down_w, second_moment(xin, w.inner))
-        bias = down_b
-    else:
-        _, _, bias, B, A, sig = down_fit(xin, ranks["down"])
-    site.replace_linear("down", TruncatedSVDLinear.from_factors(B[:, :ranks["down"]], A[:ranks["down"]],
-                                                                None if bias is None else bias.to(down_w),
-                                                                like=down_w,
-                                                                dense_class=type(linears["down"]).__name__))
-    out.append(_rank_row("down", shapes["down"], ranks["down"], sig))
-    if refit:
-        out[-1]["refit"] = True
-    if chosen is not None:
-        out[-1]["split"] = {"down_share": chosen["share"], "tried": [{"down_share": t["share"], "error": t["error"]}
-                                                                     for t in tried]}
-    return out
-
-
-def _rank_row(role: str, shape: tuple[int, int], rank: int, sig: Tensor) -> dict:
-    e = sig.double() ** 2
-    return {"projection": role, "shape": list(shape), "rank": rank,
-            "truncation_error": float(e[rank:].sum() / e.sum().clamp_min(1e-300))}
+        replace("down", down, weight, bias, second_moment(xin, w.inner))
+        return ranks
+    now = site.read()  # the truncated up / gate (the down projection still the original)
+    stats = refit_stats(now, w, xin)
+    D, b = solve_down(stats, bias is not None)
+    replace("down", down, D.to(weight), None if b is None else b.to(weight), stats.G / max(stats.n, 1))
+    ranks[-1]["refit"] = True
+    return ranks
 
 
 def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: list[int],
