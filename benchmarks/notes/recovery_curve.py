@@ -1,6 +1,7 @@
 """The measured curve of half-width neuron pruning's perplexity against the CPU seconds of gradient steps spent on it
 (docs/frontier.md#recovery): every committed `compare` point of SmolLM2 at budget 0.5 with the default 32k calibration
-tokens, read from its result file -- one-shot, local tuning only, distillation only, local tuning then distillation --
+tokens, read from its result file -- one-shot, local tuning only, distillation only, local tuning then distillation
+(of the MLPs, or of the chosen decoder layers whole: `--recover-train layers`) --
 plotted with issue 45's 1.20x line. Reads docs/results only (the runs are the commands in docs/frontier.md).
 
     python benchmarks/notes/recovery_curve.py --plot docs/img/recovery-curve-smollm2.png
@@ -22,7 +23,8 @@ FILES = [("frontier-smollm2-32k", "one-shot"),
          ("frontier-smollm2-recovered-32k-lr6e-4", "distillation"),
          ("frontier-smollm2-32k-local-recovered", "local tuning, then distillation"),
          ("frontier-smollm2-32k-local-recovered-clock", "local tuning, then distillation"),
-         ("frontier-smollm2-32k-local-recovered-1200", "local tuning, then distillation")]
+         ("frontier-smollm2-32k-local-recovered-1200", "local tuning, then distillation"),
+         ("frontier-smollm2-32k-local-recovered-layers", "local tuning, then distillation of the layers whole")]
 
 
 def points() -> tuple[float, list[dict]]:
@@ -57,7 +59,8 @@ def main() -> None:
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for kind, marker in (("one-shot", "s"), ("local tuning (8 epochs)", "D"), ("distillation", "o"),
-                             ("local tuning, then distillation", "^")):
+                             ("local tuning, then distillation", "^"),
+                             ("local tuning, then distillation of the layers whole", "*")):
             sel = [r for r in rows if r["kind"] == kind]
             if sel:
                 ax.plot([r["seconds"] for r in sel], [r["ppl"] for r in sel], marker=marker, linestyle="",
