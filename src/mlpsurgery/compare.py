@@ -30,6 +30,7 @@ from torch import nn
 from . import files
 from .errors import MLPSurgeryError
 from .methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
+from .methods.reconstruct.distill import TRAIN as RECOVER_TRAIN  # what the distillation may train
 
 FUSE_METHODS = ("fusion", "cluster", "svd", "sketch", "neuron", "random", "mmd")
 STRUCTURED = FUSE_METHODS + ("nsn", "twist", "fisher")
@@ -41,7 +42,6 @@ DEFAULT_METHODS = ("fusion", "cluster", "svd", "sketch", "neuron", "random", "ns
 NEEDS_DATA = ("fisher", "wanda", "sparsegpt", "wanda-2:4", "sparsegpt-2:4")
 RECOVERY = ("layerwise", "distill")
 RECOVER_LR = {"layerwise": 1e-3, "distill": 3e-4}
-RECOVER_TRAIN = ("mlp", "layers")  # what the distillation trains (methods/reconstruct/distill.py)
 RECOVER_BLOCKS = 4096  # train-split blocks the distillation draws its batches from
 LABELS = {"fusion": "MLP Fusion", "cluster": "k-means cluster", "svd": "SVD", "sketch": "sketch", "neuron":
           "neuron pruning", "random": "random neurons", "mmd": "MMD", "nsn": "NSN (untrained)",

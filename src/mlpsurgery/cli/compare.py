@@ -36,7 +36,7 @@ def render_compare(r: dict) -> str:
 
 
 def register(sub, groups) -> None:
-    from ..compare import ALL_METHODS, DEFAULT_METHODS
+    from ..compare import ALL_METHODS, DEFAULT_METHODS, RECOVER_TRAIN
 
     p = command(sub, "compare", run_compare, render_compare,
                 "one frontier of every way to shrink the MLPs: perplexity, parameters, FLOPs and measured prefill / "
@@ -66,7 +66,7 @@ def register(sub, groups) -> None:
                    help="layerwise (each MLP trained to the original's output on the calibration blocks' captured "
                         "inputs) or distill (the whole model toward the original's next-token distribution, on its "
                         "own activations, batches of 4 train blocks)")
-    p.add_argument("--recover-train", choices=("mlp", "layers"), default="mlp",
+    p.add_argument("--recover-train", choices=RECOVER_TRAIN, default="mlp",
                    help="what --recover distill trains: the chosen MLPs (mlp, the default: the rest of the model stays "
                         "the original's) or the chosen decoder layers whole (layers: attention and norms too)")
     p.add_argument("--local-epochs", type=number(0, low_open=False), default=0.0, metavar="E",
