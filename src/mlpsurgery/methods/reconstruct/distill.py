@@ -41,9 +41,9 @@ def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list
     sites = find_sites(student)
     params: dict[str, nn.Parameter] = {}
     seen: set[int] = set()
+    owners = sites.mlp if train == "mlp" else sites.layers()
     for i in layers:
-        owner = sites.mlp[i] if train == "mlp" else sites.layers()[i]
-        for n, p in enumerate(owner.parameters()):
+        for n, p in enumerate(owners[i].parameters()):
             if p.is_floating_point() and id(p) not in seen:
                 seen.add(id(p))
                 params[f"{i}.{n}"] = p
@@ -52,7 +52,7 @@ def distill(student: nn.Module, teacher: nn.Module, blocks: Tensor, layers: list
                               "to train")
     lm = is_causal_lm(student)
     device = next(student.parameters()).device
-    frozen = [p for p in student.parameters() if p.requires_grad and all(p is not q for q in params.values())]
+    frozen = [p for p in student.parameters() if p.requires_grad and id(p) not in seen]
     for p in frozen:
         p.requires_grad_(False)
     for p in params.values():
