@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from mlpsurgery.data import (AUSTEN, encode, load_corpus, read_corpus, read_labelled, tokenize_corpus)
+from mlpsurgery.data import (AUSTEN, Document, encode, load_corpus, read_corpus, read_labelled, tokenize_corpus)
 from mlpsurgery.errors import MLPSurgeryError
 
 
@@ -307,3 +307,47 @@ def test_a_corpus_mix_holds_every_parts_documents_and_keeps_the_held_out_rule(tm
         read_corpus("austen+")
     with pytest.raises(MLPSurgeryError, match="does not exist"):
         read_corpus(f"austen+{tmp_path / 'missing.txt'}")
+
+
+def test_tab_separated_tables_are_corpora_of_their_text_column(tmp_path, tokenizer):
+    # Orange's three header lines (names, types, flags): the text column, never the metadata, one document per row
+    rows = [("2016-09-28", "HillaryClinton", "a tweet about the election"), ("2016-09-29", "x", "")]
+    tab = tmp_path / "tweets.tab"
+    tab.write_text("Time\tAuthor\tContent\ntime\tdiscrete\tstring\n\tclass\tmeta\n"
+                   + "".join(f"{a}\t{b}\t{c}\n" for a, b, c in rows))
+    docs = read_corpus(tab)
+    assert [d.text for d in docs] == [rows[0][2]] and docs[0].name == "tweets-0"  # the empty row is dropped
+    assert [d.text for d in read_corpus(f"{tab}:text=Author")] == ["HillaryClinton", "x"]
+    tsv = tmp_path / "news.tsv"
+    tsv.write_text("id\ttext\n" + "".join(f"{i}\t{t}\n" for i, t in enumerate(NEWS)))
+    assert [d.text for d in read_corpus(tsv)] == NEWS
+    (tmp_path / "bare.tsv").write_text("id\tbody\n1\tsome words\n")
+    with pytest.raises(MLPSurgeryError, match=r"no text column.*columns: \['id', 'body'\].*:text=COL"):
+        read_corpus(tmp_path / "bare.tsv")
+    assert [d.text for d in read_corpus(f"{tmp_path / 'bare.tsv'}:text=body")] == ["some words"]
+
+
+def test_many_documents_hold_out_whole_documents_and_few_their_tails(tokenizer):
+    many = [Document(f"d{i:02d}", f"document {i} has a few words of its own. " * 3) for i in range(25)]
+    c = tokenize_corpus(many, tokenizer)
+    assert c.heldout_names == ["d09", "d19"] and len(c.train_names) == 23
+    assert "every 10th document" in c.split
+    assert all(torch.equal(h, torch.tensor(encode(tokenizer, many[i].text))) for h, i in zip(c.heldout, (9, 19)))
+    few = tokenize_corpus(many[:9], tokenizer)
+    assert "last 10%" in few.split and few.train_names == few.heldout_names == [d.name for d in many[:9]]
+
+
+def test_documents_shorter_than_a_block_are_joined_with_the_separator(tokenizer):
+    long_text, short = "a long document, " * 40, [f"short {i}." for i in range(30)]
+    docs = [Document("long", long_text)] + [Document(f"s{i:02d}", t) for i, t in enumerate(short)]
+    c = tokenize_corpus(docs, tokenizer, heldout=["s29"])
+    assert c.sep == tokenizer.eos_token_id is not None
+    blocks = c.blocks("train", 64)
+    n_long = len(c.train[0]) // 64
+    assert torch.equal(blocks[:n_long].flatten(), c.train[0][:n_long * 64])  # a long document's own blocks first
+    joined = torch.cat([p for s in c.train[1:] for p in (s, torch.tensor([c.sep]))])
+    assert len(blocks) == n_long + len(joined) // 64  # the short ones, joined, give the rest
+    assert torch.equal(blocks[n_long:].flatten(), joined[:(len(blocks) - n_long) * 64])
+    assert (blocks[n_long:] == c.sep).any() and not (blocks[:n_long] == c.sep).any()
+    with pytest.raises(MLPSurgeryError, match="fewer than one block"):
+        c.blocks("heldout", 64)  # one short document: no block, a refusal

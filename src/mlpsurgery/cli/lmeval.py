@@ -156,7 +156,7 @@ def register(sub, groups) -> None:
                 "own YAML folder)")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--tasks", default="corpus,r8", help=TASKS_HELP)
-    p.add_argument("--data", help="corpus of the corpus task: a text file, folder, table (.parquet/.jsonl/.csv, "
+    p.add_argument("--data", help="corpus of the corpus task: a text file, folder, table (.parquet/.jsonl/.csv/.tsv/.tab, "
                                   "datasets folder; PATH:text=COL) or austen (default: its held-out Persuasion)")
     p.add_argument("--split", choices=("heldout", "train"), default="heldout",
                    help="which part of --data the corpus task scores (the split `eval ppl` uses)")

@@ -1,5 +1,6 @@
 """Corpora: documents read from any source, tokenized, split into train / held-out without overlap, and cut into
-fixed-length token blocks inside one document and one side of the split."""
+fixed-length token blocks inside one side of the split (inside one document; the documents too short for a block
+joined end to end)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..errors import MLPSurgeryError
-from .labelled import read_labelled
+from .labelled import is_tab_separated, read_labelled, tab_separated_rows
 from .sources import AUSTEN, AUSTEN_HELDOUT, BUNDLED_CORPORA, Document, _bundled, _read_text, check_data_path
 from .tables import _table_documents, is_table, split_spec
 
@@ -21,7 +22,7 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     """Documents of a corpus: None or 'austen' (bundled), 'r8' (bundled Reuters news test articles, one document
     per article), 'r8-train' (the training articles, one document per topic), A+B (a mix: both corpora's
     documents; 'austen+r8-train' keeps Persuasion held out and trains on both), a text file, a folder of .txt / .txt.gz files (sorted by name), or a table (one document per row):
-    a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv. `PATH:text=COL` (or text_col) names the
+    a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv, .tab (Orange) / .tsv. `PATH:text=COL` (or text_col) names the
     text column; a DatasetDict with train + test (else validation) keeps its own split (Document.split)."""
     if path is None or str(path) == "austen":
         return [Document(n, _bundled(n + ".txt.gz")) for n in AUSTEN]
@@ -51,6 +52,8 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     check_data_path(p)
     if is_table(p):
         docs = _table_documents(p, text_col)
+    elif is_tab_separated(p):
+        docs = _tab_separated_documents(p, text_col)
     elif text_col is not None:
         raise MLPSurgeryError(f"{p} is plain text, not a table: :text=COL names a column of a .parquet, .jsonl, .csv "
                               "file or a datasets folder")
@@ -65,6 +68,25 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     docs = [d for d in docs if d.text.strip()]
     if not docs:
         raise MLPSurgeryError(f"corpus {p} is empty")
+    return docs
+
+
+def _tab_separated_documents(path: Path, text_col: str | None) -> list[Document]:
+    """One document per row of an Orange .tab or a .tsv file: the column `text_col`, else Orange's text column (named
+    text / content, else the first of type string), else the first named like text (TEXT_NAMES)."""
+    from .tables import TEXT_NAMES
+
+    header, records, hints = tab_separated_rows(path)
+    lowered = {h.lower(): h for h in header}
+    col = text_col or hints.get("text") or next((lowered[n] for n in TEXT_NAMES if n in lowered), None)
+    if col is None or col not in header:
+        raise MLPSurgeryError(f"{path} has no text column {col or '(none named text, content or sentence)'!r} "
+                              f"(columns: {header}); name it with PATH:text=COL")
+    texts = [str(r.get(col) or "") for r in records]
+    prefix, width = path.name.split(".")[0], len(str(len(texts) - 1))
+    docs = [Document(f"{prefix}-{i:0{width}d}", t) for i, t in enumerate(texts) if t.strip()]
+    if not docs:
+        raise MLPSurgeryError(f"{path} has no text: every row's {col!r} is empty")
     return docs
 
 
@@ -137,6 +159,15 @@ def default_bos(tokenizer) -> int | None:
     return bos if len(ids) and ids[0] == bos else None
 
 
+def separator(tokenizer) -> int | None:
+    """The token that ends a document for the model: the tokenizer's EOS, else its SEP (BERT), else None."""
+    for name in ("eos_token_id", "sep_token_id"):
+        tok = getattr(tokenizer, name, None)
+        if isinstance(tok, int):
+            return tok
+    return None
+
+
 @dataclass
 class TokenizedCorpus:
     """Token ids per document and split. `split` says how held-out text was chosen."""
@@ -149,6 +180,7 @@ class TokenizedCorpus:
     source: str = ""
     meta: dict = field(default_factory=dict)
     bos: int | None = None  # the tokenizer's BOS when it adds one by default: perplexity prepends it to windows
+    sep: int | None = None  # the token that joins documents shorter than a block (the tokenizer's EOS, else SEP)
 
     def sequences(self, split: str) -> list[Tensor]:
         if split not in ("train", "heldout"):
@@ -159,11 +191,19 @@ class TokenizedCorpus:
         return sum(len(s) for s in self.sequences(split))
 
     def blocks(self, split: str, block_len: int, max_blocks: int | None = None, seed: int | None = None) -> Tensor:
-        """Non-overlapping (N, block_len) blocks of one split, cut inside documents. With max_blocks,
-        a subset: the first ones, or a random sample when a seed is given."""
+        """Non-overlapping (N, block_len) blocks of one split, cut inside documents; the documents shorter than one
+        block (a table of tweets, reviews, short articles) are joined in order, each followed by `sep`, into one
+        stream cut the same way after the others' blocks (the packing of causal-LM training, applied only where a
+        document alone gives no block). With max_blocks, a subset: the first ones, or a random sample when a seed is
+        given."""
         if block_len < 2:
             raise MLPSurgeryError(f"block length must be at least 2 tokens, not {block_len}")
-        pieces = [s[: len(s) // block_len * block_len].view(-1, block_len) for s in self.sequences(split)]
+        seqs = self.sequences(split)
+        short = [s for s in seqs if len(s) < block_len]
+        if short:
+            tail = [] if self.sep is None else [torch.tensor([self.sep], dtype=short[0].dtype)]
+            seqs = [s for s in seqs if len(s) >= block_len] + [torch.cat([p for s in short for p in [s, *tail]])]
+        pieces = [s[: len(s) // block_len * block_len].view(-1, block_len) for s in seqs]
         pieces = [p for p in pieces if len(p)]
         if not pieces:
             raise MLPSurgeryError(
@@ -179,9 +219,14 @@ class TokenizedCorpus:
         return out
 
 
+MANY_DOCUMENTS = 10  # from this many documents on, every 10th is held out whole
+
+
 def default_heldout(docs: list[Document]) -> tuple[tuple[str, ...], str] | float:
     """The held-out rule of a corpus when none is given: (names of whole documents, why) for a DatasetDict's own
-    test / validation split and for the bundled Austen (Persuasion); else 0.1, the last 10% of each document."""
+    test / validation split, for the bundled Austen (Persuasion) and for a corpus of MANY_DOCUMENTS or more (every
+    10th document: the held-out text is whole documents spread over the corpus, never the tails of many short ones
+    strung together); else 0.1, the last 10% of each of its few documents."""
     names = [d.name for d in docs]
     own = sorted({d.split for d in docs if d.split and d.split != "train"})
     if own and any(d.split == "train" for d in docs):
@@ -189,6 +234,9 @@ def default_heldout(docs: list[Document]) -> tuple[tuple[str, ...], str] | float
         return held, f"the dataset's own split: {', '.join(own)} held out ({len(held)} whole documents), train trains"
     if set(AUSTEN_HELDOUT) <= set(names) and len(names) > 1:
         return AUSTEN_HELDOUT, f"whole documents held out: {', '.join(AUSTEN_HELDOUT)}"
+    if len(docs) >= MANY_DOCUMENTS:
+        held = tuple(names[MANY_DOCUMENTS - 1::MANY_DOCUMENTS])
+        return held, f"every {MANY_DOCUMENTS}th document held out whole ({len(held)} of {len(docs)})"
     return 0.1
 
 
@@ -197,7 +245,7 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
     """Split documents into train and held-out token sequences.
 
     heldout: a fraction in (0, 1) of each document's tokens (its tail), or the names of whole documents to
-    hold out. Default: the bundled Austen corpus holds out Persuasion; anything else its last 10%.
+    hold out. Default: `default_heldout`.
     """
     names = [d.name for d in docs]
     why = ""
@@ -228,7 +276,8 @@ def tokenize_corpus(docs: list[Document], tokenizer, heldout: float | list[str] 
             tn.append(d.name)
             hn.append(d.name)
         split = f"last {frac:.0%} of each document's tokens held out"
-    return TokenizedCorpus(train, held, tn, hn, split, source=source or "corpus", bos=default_bos(tokenizer))
+    return TokenizedCorpus(train, held, tn, hn, split, source=source or "corpus", bos=default_bos(tokenizer),
+                           sep=separator(tokenizer))
 
 
 def load_corpus(path: str | Path | None, tokenizer, heldout=None, text_col: str | None = None) -> TokenizedCorpus:

@@ -49,22 +49,38 @@ class LabelledSet:
         return self.split(frac, seed)[1]
 
 
+def is_tab_separated(path: Path) -> bool:
+    """A tab-separated table this module reads itself: Orange .tab or .tsv (optionally gzipped)."""
+    return path.is_file() and path.name.lower().removesuffix(".gz").endswith((".tab", ".tsv"))
+
+
+def tab_separated_rows(path: Path) -> tuple[list[str], list[dict], dict[str, str]]:
+    """(header, records, hints) of an Orange .tab or a .tsv file: Orange's three header lines (names, types, flags)
+    give hints {'text': the first column named text / content, else the first of type string; 'label': the column
+    flagged class}; a .tsv has one header line and no hints."""
+    rows = [r for r in csv.reader(_read_text(path).splitlines(), delimiter="\t") if r]
+    hints: dict[str, str] = {}
+    if path.name.lower().removesuffix(".gz").endswith(".tab") and len(rows) >= 3 and "class" in rows[2]:
+        header, types, flags, rows = rows[0], rows[1], rows[2], rows[3:]
+        hints["label"] = header[flags.index("class")]
+        strings = [h for h, t in zip(header, types) if t == "string"]
+        named = [h for h in header if h.lower() in ("text", "content")]
+        if named or strings:
+            hints["text"] = (named or strings)[0]
+    elif rows:
+        header, rows = rows[0], rows[1:]
+    else:
+        header = []
+    return header, [dict(zip(header, r)) for r in rows], hints
+
+
 def _labelled_rows(path: Path, text_col: str | None, label_col: str | None) -> tuple[list[str], list[str]]:
-    raw = _read_text(path)
-    lines = raw.splitlines()
     name = path.name.removesuffix(".gz")
+    lines = [] if name.endswith((".tab", ".tsv")) else _read_text(path).splitlines()
     if name.endswith((".tab", ".tsv")):
-        rows = [r for r in csv.reader(lines, delimiter="\t") if r]
-        if name.endswith(".tab") and len(rows) >= 3 and "class" in rows[2]:
-            header, types, flags, rows = rows[0], rows[1], rows[2], rows[3:]
-            label_col = label_col or header[flags.index("class")]
-            if text_col is None:
-                strings = [h for h, t in zip(header, types) if t == "string"]
-                named = [h for h in header if h.lower() in ("text", "content")]
-                text_col = (named or strings or [None])[0]
-        else:
-            header, rows = rows[0], rows[1:]
-        records = [dict(zip(header, r)) for r in rows]
+        header, records, hints = tab_separated_rows(path)
+        label_col = label_col or hints.get("label")
+        text_col = text_col or hints.get("text")
     elif name.endswith(".csv"):
         records = list(csv.DictReader(lines))
         header = list(records[0]) if records else []

@@ -228,7 +228,7 @@ def _table_documents(path: Path, text_col: str | None) -> list[Document]:
     splits = read_table(path)
     if len(splits) == 1:
         (only, ds), = splits.items()
-        use = [(only, ds, "")]  # one split: the usual held-out rule (last 10% of each document) applies
+        use = [(only, ds, "")]  # one split: the usual held-out rule (corpus.default_heldout) applies
     else:
         train, held = _own_splits(path, splits)
         use = [(train, splits[train], train), (held, splits[held], held)]
