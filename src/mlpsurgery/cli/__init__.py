@@ -206,13 +206,19 @@ def check_max_memory(args, layerwise: bool | None = None) -> None:
 
 
 def calibration_blocks(args, tokenizer, where, why: str = "the data-aware compression"):
-    """(N, T) token blocks of --calib-data (its train split: the bundled Austen's leaves Persuasion unseen), with
+    """(N, T) token blocks of --calib-data for the layer-by-layer modes (its train split: the bundled Austen's leaves
+    Persuasion unseen; text sampled from the model is refused, the whole model is never held), with
     --calib-blocks and --calib-len; None without --calib-data. `where` names the model whose tokenizer is missing."""
     from ..data import text_blocks
+    from ..data.sampled import is_sampled
     from ..errors import MLPSurgeryError
 
     if not args.calib_data:
         return None
+    if is_sampled(args.calib_data):
+        raise MLPSurgeryError(f"--calib-data {args.calib_data} samples text from the whole model, which the layer-by-"
+                              "layer mode never holds: give a corpus (a file, a folder, a table, austen), or drop "
+                              "--layerwise")
     if tokenizer is None:
         raise MLPSurgeryError(f"{where} has no tokenizer, which the calibration data needs; add its tokenizer files")
     stage(args, f"reading and tokenising the calibration data {args.calib_data} for {why}")

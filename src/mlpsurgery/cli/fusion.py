@@ -21,6 +21,7 @@ METHOD_HELP = ("fusion (clusters, P stand-alone; the paper's method), cluster (P
 def run_fuse(args) -> dict:
     from .. import parallel
     from ..data import text_blocks
+    from ..data.sampled import calibration_blocks as sampled_blocks, default_calibration, is_sampled
     from ..errors import MLPSurgeryError
     from ..measure.memory import peak_rss
     from ..io import save
@@ -83,12 +84,15 @@ def run_fuse(args) -> dict:
     calib = None
     if not (args.data_free or world > 1 or args.method == "magnitude"):
         check_context(model, args.calib_len)
-        stage(args, f"reading and tokenising the calibration data {args.calib_data or 'austen (train split)'}")
-        # the train split: the bundled Austen's leaves Persuasion, its held-out novel, unseen
-        calib = text_blocks(args.calib_data, loaded.require_tokenizer(), block_len=args.calib_len,
-                            max_blocks=args.calib_blocks, seed=args.seed)
+        spec = args.calib_data or default_calibration(model)
+        stage(args, f"{'sampling and ' if is_sampled(spec) else ''}reading the calibration data {spec}")
+        # the train splits: the bundled Austen's leaves Persuasion, its held-out novel, unseen; self: sampled
+        calib = sampled_blocks(spec, model, loaded.require_tokenizer(), block_len=args.calib_len,
+                               max_blocks=args.calib_blocks, seed=args.seed, progress=progress(args))
     report = fuse(model, cfg, tune_data=tune, progress=progress(args), checkpoint_dir=args.checkpoint_dir,
                   calib_data=calib)
+    if calib is not None:
+        report["calibration"]["data"] = spec  # which text: the tensor alone does not say
     if rank != 0:  # rank 0 holds every tuned layer, saves and reports
         return {"rank": rank, "world_size": world, "tuning": report["tuning"], "peak_rss_bytes": peak_rss(),
                 "seconds": time.perf_counter() - t0}
@@ -306,7 +310,9 @@ def register(sub, groups) -> None:
                         "with --data-free), weights (the paper's neuron weight vectors), activations (each neuron's "
                         "contribution on calibration rows)")
     p.add_argument("--calib-data", help="calibration text for the data-aware compression (file, folder, table, austen, "
-                   "r8-train; default: the bundled Austen, its train split)")
+                   "r8-train; self: sampled from the model; a mix self+austen; default: self+austen+r8-train, a third "
+                   "each; austen for an encoder; none layer by layer). Calibrate on text like the model's use: "
+                   "docs/calibration.md")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
                    help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
     p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN,

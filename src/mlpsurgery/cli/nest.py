@@ -227,7 +227,8 @@ def register(sub, groups) -> None:
                                   "held-out split of austen, or r8-test)")
     g.add_argument("--train-steps", type=integer(0), default=0, help="multi-rank training steps (0: SVD init only)")
     g.add_argument("--calib-data", help="text whose MLP inputs whiten the SVD start (file, folder, table, austen, "
-                   "r8-train; default: the bundled Austen's train split)")
+                   "r8-train; self: sampled from the model; a mix self+austen; default: self+austen+r8-train, a third "
+                   "each, or austen for an encoder)")
     g.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS, help=f"calibration blocks ({CALIB_BLOCKS})")
     g.add_argument("--calib-len", type=integer(2), default=CALIB_LEN,
                    help=f"tokens per calibration block ({CALIB_LEN})")

@@ -141,13 +141,13 @@ def run_extract(args) -> dict:
     loaded.model.to(device_of(args))
     calib = None
     if args.calib_data:
-        from ..data import load_corpus
+        from ..data.sampled import calibration_blocks
         from ..models import check_context
 
         check_context(loaded.model, args.calib_len)
         stage(args, f"reading and tokenising the calibration data {args.calib_data}")
-        corpus = load_corpus(args.calib_data, loaded.require_tokenizer())
-        calib = corpus.blocks("train", args.calib_len, max_blocks=args.calib_blocks, seed=args.seed)
+        calib = calibration_blocks(args.calib_data, loaded.model, loaded.require_tokenizer(), args.calib_len,
+                                   args.calib_blocks, seed=args.seed, progress=progress(args))
     before = count_params(loaded.model)
     stage(args, f"cutting out the subnet of seed {args.seed}")
     # without a refit the loaded model is not used again: given up layer by layer as the subnet is built
@@ -211,7 +211,6 @@ def _refit_line(errors: dict, where: str) -> str:
 # ---- prune ------------------------------------------------------------------------------------------
 
 def run_prune(args) -> dict:
-    from ..data import load_corpus
     from ..io import save
     from ..methods.pruning import prune
     from ..models import check_context
@@ -235,9 +234,13 @@ def run_prune(args) -> dict:
     blocks = None
     if args.method in ("wanda", "sparsegpt", "fisher") or args.refit:
         check_context(loaded.model, args.block_len)
-        stage(args, f"reading and tokenising the calibration data {args.data or 'austen'}")
-        corpus = load_corpus(args.data, loaded.require_tokenizer())
-        blocks = corpus.blocks("train", args.block_len, max_blocks=args.calib_blocks, seed=args.seed)
+        from ..data.sampled import calibration_blocks
+
+        # the default stays Austen: the layer-by-layer mode (which cannot sample) then gives the same folder
+        spec = args.data or "austen"
+        stage(args, f"reading the calibration data {spec}")
+        blocks = calibration_blocks(spec, loaded.model, loaded.require_tokenizer(), args.block_len, args.calib_blocks,
+                                    seed=args.seed, progress=progress(args))
     model, report = prune(loaded.model, args.method, args.sparsity, parts=args.parts, layers=layers, data=blocks,
                           blocks=args.blocks, seed=args.seed, progress=progress(args), pattern=pattern)
     if args.refit:  # the closed-form compensation, on what the pruned layers before each produce
@@ -260,6 +263,7 @@ def _prune_layerwise(args, pattern) -> dict:
     methods, which change shapes: methods/pruning/blocks_layerwise.py, Fisher's activations spilled to OUT.work past
     --max-memory)."""
     from ..data import load_corpus
+    from ..data.sampled import is_sampled
     from ..files import check_state
     from ..io import check_out
     from ..methods.pruning.blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
@@ -280,6 +284,10 @@ def _prune_layerwise(args, pattern) -> dict:
         check_state(work, inputs=[args.model, args.data, args.out], what="work")
     blocks = None
     if args.method in ("wanda", "sparsegpt", "fisher"):
+        if is_sampled(args.data):
+            raise MLPSurgeryError(f"--data {args.data} samples text from the whole model, which the layer-by-layer "
+                                  "mode never holds: give a corpus (a file, a folder, a table, austen), or drop "
+                                  "--layerwise")
         if tokenizer is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
         check_context(config, args.block_len)
@@ -391,7 +399,8 @@ def register(sub, groups) -> None:
                    "--shared-last 0 give uniform widths: a plain transformers model)")
     p.add_argument("--shared-last", type=integer(0), help="last layers kept whole (default: as trained, else 2)")
     p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
-    p.add_argument("--calib-data", help="calibration text (file, folder, table, austen): the narrowed MLPs' down "
+    p.add_argument("--calib-data", help="calibration text (file, folder, table, austen; self: sampled from the "
+                   "model): the narrowed MLPs' down "
                    "projections refit in sequence to the original's outputs (default: none, the paper's no-data cut)")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
                    help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
@@ -417,8 +426,9 @@ def register(sub, groups) -> None:
     p.add_argument("--parts", choices=("attn", "ffn", "both"), default="both",
                    help="what is split into subnets: attention KV groups, MLP chunks or both (default)")
     p.add_argument("--layers", help="layers to prune: all (default), 2-27, 0,3,5, last2/3")
-    p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher, --refit): file, folder, austen "
-                   "(default) / r8")
+    p.add_argument("--data", help="calibration text (wanda, sparsegpt, fisher, --refit): file, folder, table, austen, "
+                   "r8; self: sampled from the model, whole model only; a mix self+austen (default: austen, as layer by "
+                   "layer)")
     p.add_argument("--refit", action="store_true",
                    help="fisher / random: then refit each narrowed MLP's down projection by least squares to the "
                         "original's output, layer after layer on the calibration text (the closed-form compensation)")

@@ -43,8 +43,8 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     """Load MODEL, nest it, train it with the multi-rank objective when train.fit.steps > 0 (language
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
 
-    The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data's train split (the bundled
-    Austen by default; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2). local_epochs > 0:
+    The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data (its train split; 'self'
+    samples from the model; by default data/sampled.py's mix, Austen for an encoder; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2). local_epochs > 0:
     then each nested MLP tuned at every rank at once on its calibration rows, layer after layer (local.py).
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
@@ -108,11 +108,12 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     model, tok = loaded.model.to(device), loaded.tokenizer
     calib = None
     if not data_free:
-        from ...data import text_blocks
+        from ...data.sampled import calibration_blocks, default_calibration
 
-        stage(f"reading the calibration text {calib_data or 'austen (train split)'} for the whitened start", progress)
-        calib = text_blocks(calib_data, loaded.require_tokenizer(), block_len=calib_len, max_blocks=calib_blocks,
-                            seed=train.fit.seed if train else 0)
+        calib_data = calib_data or default_calibration(model)
+        stage(f"reading the calibration text {calib_data} for the whitened start", progress)
+        calib = calibration_blocks(calib_data, model, loaded.require_tokenizer(), block_len=calib_len,
+                                   max_blocks=calib_blocks, seed=train.fit.seed if train else 0, progress=progress)
     nest(model, cfg, progress=progress, calib_data=calib, local_epochs=local_epochs, local_lr=local_lr,
          seed=train.fit.seed if train else 0)
     local = history(model)[-1]["provenance"].get("local")
