@@ -62,3 +62,16 @@ def test_fuse_calibrates_on_the_models_samples_and_layer_by_layer_refuses_them(t
     assert main(["fuse", str(tmp_path / "a"), "--width", "8", "--layerwise", "--calib-data", "self+austen",
                  "--out", str(tmp_path / "b")]) == 2
     assert "layer-by-layer mode never holds" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_prune_calibrates_on_samples_whole_model_and_refuses_them_layer_by_layer(tmp_path, capsys):
+    from mlpsurgery.io import save
+
+    save(tiny_model("llama"), tmp_path / "src")
+    common = ["prune", "tiny:llama", "--method", "wanda", "--sparsity", "0.5", "--calib-blocks", "4",
+              "--block-len", "16", "--quiet", "--json"]
+    assert main([*common, "--data", "self", "--out", str(tmp_path / "a")]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == [4, 16]
+    common[1] = str(tmp_path / "src")
+    assert main([*common, "--data", "self", "--layerwise", "--out", str(tmp_path / "b")]) == 2
+    assert "layer-by-layer mode never holds" in capsys.readouterr().err and not (tmp_path / "b").exists()

@@ -466,6 +466,12 @@ def test_cli_train_extract(tmp_path, capsys):
     again, plain = find_sites(load(tmp_path / "sub-fit")), find_sites(load(tmp_path / "sub"))
     assert not torch.equal(again.mlp[0].read().down, plain.mlp[0].read().down)
     assert torch.equal(again.mlp[0].read().up, plain.mlp[0].read().up)
+    # on text sampled from the trained model itself (data/sampled.py): refit as well
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub-self"),
+                 "--calib-data", "self", "--calib-blocks", "4", "--calib-len", "32", "--json", "--quiet"])
+    own = json.loads(capsys.readouterr().out)
+    assert code == 0 and own["subnet"] == r["subnet"] and own["refit"]["calibration"] == [4, 32]
+    assert all(e["error_after"] < e["error_before"] for e in own["refit"]["layers"].values())
     for extra, why in ((["--layerwise"], "--layerwise"), (["--parts", "attn"], "--parts attn")):
         code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "x-fit"),
                      "--calib-data", str(text), *extra])
