@@ -181,3 +181,28 @@ def test_compare_with_per_layer_budgets_keeps_the_total_width_and_records_each_l
                              *SMALL], capsys)
         assert code == 2 and needle in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
+
+
+def test_compare_calibrates_on_other_text_when_named_and_records_it(tmp_path, capsys):
+    common = ["--methods", "neuron", "--budgets", "0.5", "--no-models", "--json", *SMALL]
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "own"), *common], capsys)
+    assert code == 0, err
+    own = json.loads(stdout)
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "self"), "--calib-data", "self",
+                              *common], capsys)
+    assert code == 0, err
+    other = json.loads(stdout)
+    # scored on the same held-out text (the original alike), calibrated on the model's samples: another model
+    assert other["original"]["ppl"] == own["original"]["ppl"]
+    assert other["points"][0]["ppl"] != own["points"][0]["ppl"]
+    assert "Calibrated on self" in (tmp_path / "self" / "frontier.md").read_text()
+    assert "Calibrated on" not in (tmp_path / "own" / "frontier.md").read_text()
+    from mlpsurgery.compare import _documents  # a table of many held-out documents is counted, not listed
+
+    assert _documents(["a", "b"]) == "a, b"
+    assert _documents([f"d{i}" for i in range(9)]) == "9 held-out documents (d0, d1, ..., d8)"
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "self"), *common], capsys)
+    assert code == 2 and "other settings" in err and "calib_data" in err
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "free"), "--data-free", "--calib-data",
+                         "austen", *SMALL], capsys)
+    assert code == 2 and "--data-free" in err and err.count("\n") == 1 and not (tmp_path / "free").exists()

@@ -59,6 +59,8 @@ class CompareConfig:
     max_tokens: int = 4096  # held-out tokens scored per point
     block_len: int | None = None  # perplexity window (default: 512 or the model's context)
     calib_blocks: int = CALIB_BLOCKS  # calibration / recovery blocks of calib_len tokens from the train split
+    calib_data: str | None = None  # calibration text other than data's train split (a corpus, 'self', a mix
+    # self+austen: data/sampled.py); the points are still scored on data's held-out split, recovery trains on data
     calib_len: int = CALIB_LEN
     data_free: bool = False  # True: fusion's methods and NSN as their papers (no calibration; plain SVD, no refit)
     recover_steps: int = 0  # recovery steps per candidate (0: none)
@@ -96,6 +98,9 @@ class CompareConfig:
                                   "recovery fits each MLP alone): add --recover distill or drop --recover-train")
         if self.local_epochs < 0 or self.local_epochs != self.local_epochs:
             raise MLPSurgeryError(f"local tuning epochs must be >= 0, not {self.local_epochs}")
+        if self.calib_data is not None and self.data_free:
+            raise MLPSurgeryError("--calib-data names the calibration text and --data-free calibrates on none: drop "
+                                  "one of them")
         if self.local_epochs > 0 and self.data_free:
             raise MLPSurgeryError("local tuning trains each layer on its calibration rows: drop --data-free or "
                                   "--local-epochs")
@@ -127,6 +132,8 @@ class CompareConfig:
         if self.recover != "layerwise":
             out["recover"] = self.recover
             out["recover_seconds"] = self.recover_seconds
+        if self.calib_data is not None:  # (absent when not given, as data_free)
+            out["calib_data"] = self.calib_data
         if self.recover_train != "mlp":  # (absent when off, as data_free)
             out["recover_train"] = self.recover_train
         return out
@@ -303,7 +310,7 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
     cfg = cfg or CompareConfig()
     cfg.validate()
     out = Path(out)
-    files.check_apart(out, [model_spec, cfg.data])
+    files.check_apart(out, [model_spec, cfg.data, cfg.calib_data])
     loaded = load_model(model_spec)
     model, tok = loaded.model, loaded.require_tokenizer()
     if device is not None:
@@ -321,13 +328,21 @@ def run(model_spec: str | None, out: str | Path, cfg: CompareConfig | None = Non
     if overwrite and files.is_ours(out) and (files.marker(out) or {}).get("settings") != json.loads(
             json.dumps(settings, sort_keys=True, default=str)):
         files.remove_ours(out)
-    files.claim(out, "compare", settings, inputs=[model_spec, cfg.data])
+    files.claim(out, "compare", settings, inputs=[model_spec, cfg.data, cfg.calib_data])
     (out / "points").mkdir(exist_ok=True)
     stage(f"reading {cfg.data or 'austen'}", progress)
     corpus = load_corpus(cfg.data, tok)
     needs_data = any(m in NEEDS_DATA or (not cfg.data_free and m in FUSE_METHODS + ("nsn",)) for m, _ in points) \
         or cfg.recover_steps > 0
-    calib = corpus.blocks("train", cfg.calib_len, max_blocks=cfg.calib_blocks, seed=cfg.seed) if needs_data else None
+    calib = None
+    if needs_data and cfg.calib_data is not None:  # other text than the scored corpus's (the cross-domain case)
+        from .data.sampled import calibration_blocks
+
+        stage(f"reading the calibration data {cfg.calib_data}", progress)
+        calib = calibration_blocks(cfg.calib_data, model, tok, cfg.calib_len, cfg.calib_blocks, seed=cfg.seed,
+                                   progress=progress)
+    elif needs_data:
+        calib = corpus.blocks("train", cfg.calib_len, max_blocks=cfg.calib_blocks, seed=cfg.seed)
 
     def quality(m: nn.Module) -> float:
         return perplexity(m, corpus.heldout, block_len=block, max_tokens=cfg.max_tokens, progress=False,
@@ -437,16 +452,26 @@ def _ppl(x: float) -> str:
     return f"{x:.2f}" if x < 1000 else f"{x:,.0f}"
 
 
+def _documents(names: list[str] | None) -> str:
+    """The held-out documents for a table's first line: named when few, counted when many (a table of tweets)."""
+    if not names:
+        return "the held-out split"
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{len(names):,} held-out documents ({names[0]}, {names[1]}, ..., {names[-1]})"
+
+
 def markdown(r: dict) -> str:
     base = r["original"]
     s = r["original"]["speed"]["reference"]
     lines = [f"Frontier of {r['model']}, the MLPs of layers {r['settings']['layers']} compressed: held-out perplexity on {r['heldout']['tokens']} tokens of "
-             f"{', '.join(r['heldout']['documents'] or ['the held-out split'])} (window {r['heldout']['block_len']}); "
+             f"{_documents(r['heldout']['documents'])} (window {r['heldout']['block_len']}); "
              f"speed paired with the original in the same run ({r['machine']}; prefill of "
              f"{r['settings']['prompt_len']} tokens, {r['settings']['new_tokens']} decode steps, median of "
              f"{r['settings']['repeats']}). Original: perplexity {base['ppl']:.2f}, {_h(base['params'])} parameters, "
              f"{_h(base['flops'])} FLOPs / token, prefill {s['prefill_tok_s']:.0f} tok/s, decode "
-             f"{s['decode_tok_s']:.1f} tok/s.", "",
+             f"{s['decode_tok_s']:.1f} tok/s." + (f" Calibrated on {r['settings']['calib_data']} (not the scored "
+                                                   "corpus)." if r["settings"].get("calib_data") else ""), "",
              "| method | MLP kept | perplexity | x original | parameters | FLOPs / token | prefill speed-up "
              "| decode speed-up | FLOP-ideal | measured / ideal (prefill) | data seen | recovery |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -15,7 +15,7 @@ def run_compare(args) -> dict:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else C.DEFAULT_METHODS
     cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), layers=args.layers, data=args.data,
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
-                          calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
+                          calib_data=args.calib_data, calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
                           data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
                           recover_train=args.recover_train,
                           local_epochs=args.local_epochs, budget=args.budget,
@@ -55,6 +55,9 @@ def register(sub, groups) -> None:
     p.add_argument("--block-len", type=integer(2), help="perplexity window (512, or the model's context if shorter)")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
                    help=f"calibration / recovery blocks ({CALIB_BLOCKS})")
+    p.add_argument("--calib-data", help="calibrate on other text than --data's train split (a corpus; self: sampled "
+                                        "from the model; a mix self+austen): the cross-domain frontier, still scored "
+                                        "on --data's held-out split")
     p.add_argument("--data-free", action="store_true",
                    help="fusion's methods and NSN as their papers: no calibration (plain SVD, no refit, weight-scored "
                         "neurons); default: each layer calibrated on what the compressed layers before it produce")
