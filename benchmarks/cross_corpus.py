@@ -12,7 +12,7 @@ corpus (--tokens tokens each, windows of 512):
   LLM-QAT (Liu et al. 2023) -- no text of any domain;
 - mixes (--mixes): equal shares of the calibration blocks from each named corpus's training split (self: the
   first of the sampled blocks);
-- default: what `fuse` / `nest` / `prune` calibrate on when no text is named (data/sampled.py: a third sampled from the
+- default: what `fuse` / `nest` calibrate on when no text is named (data/sampled.py: a third sampled from the
   model, a third each of the bundled Austen and R8 training articles), its sampling and reading time recorded.
 Every result is cached in OUT/results.json (a rerun resumes; other settings are refused).
 
@@ -42,7 +42,7 @@ def main() -> None:
                     help="calibration mixes: equal shares of blocks from each named corpus's training split")
     ap.add_argument("--mix-methods", default="neuron", help="methods also calibrated on each mix (neuron)")
     ap.add_argument("--no-default", dest="default_calib", action="store_false",
-                    help="skip the calibration the commands use when no text is named (self+austen+r8-train)")
+                    help="skip the calibration fuse and nest use when no text is named (self+austen+r8-train)")
     ap.add_argument("--no-self", dest="self_calib", action="store_false",
                     help="skip the calibration on text sampled from the model itself")
     args = ap.parse_args()
@@ -79,15 +79,17 @@ def main() -> None:
         return results[key]
 
     get("original", lambda: {"ppl": scores(model)})
-    for method in args.methods.split(","):
-        for name, c in corpora.items():
-            def build() -> dict:
-                m = copy.deepcopy(model)
-                calib = c.blocks("train", 128, max_blocks=args.calib_blocks, seed=0)
-                t0 = time.perf_counter()
-                fuse(m, FusionConfig(width=args.width, method=method), progress=False, calib_data=calib)
-                return {"ppl": scores(m), "build_s": time.perf_counter() - t0, "calib_tokens": int(calib.numel())}
-            get(f"{method}/{name}", build)
+
+    def build(method: str, make_calib, **extra) -> dict:
+        """The original's copy compressed by `method` on the blocks make_calib() returns, scored on every corpus."""
+        m = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        calib = make_calib()
+        t1 = time.perf_counter()
+        fuse(m, FusionConfig(width=args.width, method=method), progress=False, calib_data=calib)
+        return {"ppl": scores(m), "build_s": time.perf_counter() - t1, "calib_s": t1 - t0,
+                "calib_tokens": int(calib.numel()), **extra}
+
     def sampled() -> torch.Tensor:
         path = out / "self-blocks.pt"
         if not path.exists():
@@ -96,40 +98,28 @@ def main() -> None:
             print(f"sampled {args.calib_blocks} x 128 tokens from the model in {time.perf_counter() - t0:.0f} s")
         return torch.load(path)
 
+    mix_methods = [m for m in args.mix_methods.split(",") if m]
+    for method in args.methods.split(","):
+        for name, c in corpora.items():
+            get(f"{method}/{name}", lambda: build(method, lambda: c.blocks("train", 128, max_blocks=args.calib_blocks,
+                                                                            seed=0)))
     if args.self_calib:
-        for method in filter(None, args.mix_methods.split(",")):
-            def build_self() -> dict:
-                m = copy.deepcopy(model)
-                calib = sampled()
-                t0 = time.perf_counter()
-                fuse(m, FusionConfig(width=args.width, method=method), progress=False, calib_data=calib)
-                return {"ppl": scores(m), "build_s": time.perf_counter() - t0, "calib_tokens": int(calib.numel())}
-            get(f"{method}/self", build_self)
-    if args.default_calib:  # what fuse / nest / prune use when no text is named: the library's own blocks
+        for method in mix_methods:
+            get(f"{method}/self", lambda: build(method, sampled))
+    if args.default_calib:  # what fuse and nest use when no text is named: the library's own blocks
         from mlpsurgery.data.sampled import DEFAULT_MIX, calibration_blocks
 
-        for method in filter(None, args.mix_methods.split(",")):
-            def build_default() -> dict:
-                m = copy.deepcopy(model)
-                t0 = time.perf_counter()
-                calib = calibration_blocks(None, model, tok, 128, args.calib_blocks, seed=0)
-                t1 = time.perf_counter()
-                fuse(m, FusionConfig(width=args.width, method=method), progress=False, calib_data=calib)
-                return {"ppl": scores(m), "build_s": time.perf_counter() - t1, "calib_s": t1 - t0,
-                        "calib_tokens": int(calib.numel()), "spec": DEFAULT_MIX}
-            get(f"{method}/default", build_default)
+        for method in mix_methods:
+            get(f"{method}/default", lambda: build(method, lambda: calibration_blocks(None, model, tok, 128,
+                                                                                      args.calib_blocks, seed=0),
+                                                   spec=DEFAULT_MIX))
     for mix in filter(None, args.mixes.split(",")):
         parts = mix.split("+")
         share = args.calib_blocks // len(parts)
-        for method in filter(None, args.mix_methods.split(",")):
-            def build_mix() -> dict:
-                m = copy.deepcopy(model)
-                calib = torch.cat([sampled()[:share] if p == "self" else
-                                   corpora[p].blocks("train", 128, max_blocks=share, seed=0) for p in parts])
-                t0 = time.perf_counter()
-                fuse(m, FusionConfig(width=args.width, method=method), progress=False, calib_data=calib)
-                return {"ppl": scores(m), "build_s": time.perf_counter() - t0, "calib_tokens": int(calib.numel())}
-            get(f"{method}/{mix}", build_mix)
+        for method in mix_methods:
+            get(f"{method}/{mix}", lambda: build(method, lambda: torch.cat([
+                sampled()[:share] if p == "self" else corpora[p].blocks("train", 128, max_blocks=share, seed=0)
+                for p in parts])))
 
     result = {"model": loaded.source, "machine": harness.machine(), "width": args.width, "tokens": args.tokens,
               "corpora": {name: c.split for name, c in corpora.items()}, "results": results}

@@ -210,15 +210,12 @@ def calibration_blocks(args, tokenizer, where, why: str = "the data-aware compre
     Persuasion unseen; text sampled from the model is refused, the whole model is never held), with
     --calib-blocks and --calib-len; None without --calib-data. `where` names the model whose tokenizer is missing."""
     from ..data import text_blocks
-    from ..data.sampled import is_sampled
+    from ..data.sampled import refuse_layer_by_layer
     from ..errors import MLPSurgeryError
 
     if not args.calib_data:
         return None
-    if is_sampled(args.calib_data):
-        raise MLPSurgeryError(f"--calib-data {args.calib_data} samples text from the whole model, which the layer-by-"
-                              "layer mode never holds: give a corpus (a file, a folder, a table, austen), or drop "
-                              "--layerwise")
+    refuse_layer_by_layer(args.calib_data)
     if tokenizer is None:
         raise MLPSurgeryError(f"{where} has no tokenizer, which the calibration data needs; add its tokenizer files")
     stage(args, f"reading and tokenising the calibration data {args.calib_data} for {why}")

@@ -15,7 +15,8 @@ def run_compare(args) -> dict:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else C.DEFAULT_METHODS
     cfg = C.CompareConfig(methods=methods, budgets=C.check_budgets(args.budgets), layers=args.layers, data=args.data,
                           max_tokens=args.max_tokens, block_len=args.block_len, calib_blocks=args.calib_blocks,
-                          calib_data=args.calib_data, calib_len=args.calib_len, recover_steps=args.recover_steps, recover_lr=args.recover_lr,
+                          calib_data=args.calib_data, calib_len=args.calib_len, recover_steps=args.recover_steps,
+                          recover_lr=args.recover_lr,
                           data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
                           recover_train=args.recover_train,
                           local_epochs=args.local_epochs, budget=args.budget,

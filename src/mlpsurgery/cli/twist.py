@@ -263,7 +263,7 @@ def _prune_layerwise(args, pattern) -> dict:
     methods, which change shapes: methods/pruning/blocks_layerwise.py, Fisher's activations spilled to OUT.work past
     --max-memory)."""
     from ..data import load_corpus
-    from ..data.sampled import is_sampled
+    from ..data.sampled import refuse_layer_by_layer
     from ..files import check_state
     from ..io import check_out
     from ..methods.pruning.blocks_layerwise import METHODS as BLOCKS, block_prune_layerwise
@@ -284,10 +284,7 @@ def _prune_layerwise(args, pattern) -> dict:
         check_state(work, inputs=[args.model, args.data, args.out], what="work")
     blocks = None
     if args.method in ("wanda", "sparsegpt", "fisher"):
-        if is_sampled(args.data):
-            raise MLPSurgeryError(f"--data {args.data} samples text from the whole model, which the layer-by-layer "
-                                  "mode never holds: give a corpus (a file, a folder, a table, austen), or drop "
-                                  "--layerwise")
+        refuse_layer_by_layer(args.data, "--data")
         if tokenizer is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
         check_context(config, args.block_len)

@@ -22,8 +22,8 @@ def read_corpus(path: str | Path | None = None, text_col: str | None = None) -> 
     """Documents of a corpus: None or 'austen' (bundled), 'r8' (bundled Reuters news test articles, one document
     per article), 'r8-train' (the training articles, one document per topic), A+B (a mix: both corpora's
     documents; 'austen+r8-train' keeps Persuasion held out and trains on both), a text file, a folder of .txt / .txt.gz files (sorted by name), or a table (one document per row):
-    a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv, .tab (Orange) / .tsv. `PATH:text=COL` (or text_col) names the
-    text column; a DatasetDict with train + test (else validation) keeps its own split (Document.split)."""
+    a datasets folder (save_to_disk), .parquet, .jsonl / .json, .csv, .tab (Orange) / .tsv. `PATH:text=COL` (or
+    text_col) names the text column; a DatasetDict with train + test (else validation) keeps its own split (Document.split)."""
     if path is None or str(path) == "austen":
         return [Document(n, _bundled(n + ".txt.gz")) for n in AUSTEN]
     if str(path) == "r8":

@@ -76,8 +76,9 @@ def tab_separated_rows(path: Path) -> tuple[list[str], list[dict], dict[str, str
 
 def _labelled_rows(path: Path, text_col: str | None, label_col: str | None) -> tuple[list[str], list[str]]:
     name = path.name.removesuffix(".gz")
-    lines = [] if name.endswith((".tab", ".tsv")) else _read_text(path).splitlines()
-    if name.endswith((".tab", ".tsv")):
+    tabbed = name.endswith((".tab", ".tsv"))
+    lines = [] if tabbed else _read_text(path).splitlines()  # (a tab-separated file is read by its own reader)
+    if tabbed:
         header, records, hints = tab_separated_rows(path)
         label_col = label_col or hints.get("label")
         text_col = text_col or hints.get("text")

@@ -42,6 +42,13 @@ def is_sampled(spec) -> bool:
     return spec is not None and SELF in str(spec).split("+")
 
 
+def refuse_layer_by_layer(spec, option: str = "--calib-data") -> None:
+    """Refuse text sampled from the model where only one layer is held at a time (the layer-by-layer modes)."""
+    if is_sampled(spec):
+        raise MLPSurgeryError(f"{option} {spec} samples text from the whole model, which the layer-by-layer mode never "
+                              "holds: give a corpus (a file, a folder, a table, austen), or drop --layerwise")
+
+
 def sample_blocks(model: nn.Module, tokenizer, n: int, length: int, seed: int = 0, batch: int = SAMPLE_BATCH,
                   progress: bool = False) -> Tensor:
     """(n, length) token ids sampled from the causal LM `model`, `batch` sequences at a time. In eval mode meanwhile;

@@ -85,8 +85,8 @@ def corpus_documents(data=None, tokenizer=None, split: str = "heldout",
                      text_col: str | None = None) -> tuple[list[Document], str]:
     """The documents of one split of a corpus as text, with the rule that chose them: the same split as
     `data.load_corpus` (Persuasion held out of the bundled Austen, a DatasetDict's own test split, every 10th document
-    of a corpus of ten or more, else the last 10% of each document's tokens). A token cut needs the tokenizer: it is made at the character where the first
-    held-out token starts."""
+    of a corpus of ten or more, else the last 10% of each document's tokens). A token cut needs the tokenizer: it is
+    made at the character where the first held-out token starts."""
     if split not in ("heldout", "train"):
         raise MLPSurgeryError(f"split must be 'heldout' or 'train', not {split!r}")
     docs = read_corpus(data, text_col=text_col)

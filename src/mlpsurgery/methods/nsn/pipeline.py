@@ -44,8 +44,9 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
 
     The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data (its train split; 'self'
-    samples from the model; by default data/sampled.py's mix, Austen for an encoder; `nest(calib_data=...)`), or the plain SVD with data_free (the paper's B.2). local_epochs > 0:
-    then each nested MLP tuned at every rank at once on its calibration rows, layer after layer (local.py).
+    samples from the model; by default data/sampled.py's mix, Austen for an encoder; `nest(calib_data=...)`), or the
+    plain SVD with data_free (the paper's B.2). local_epochs > 0: then each nested MLP tuned at every rank at once on
+    its calibration rows, layer after layer (local.py).
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
