@@ -84,7 +84,8 @@ def tune_layers(model: nn.Module, capture, layers: list[int], cfg: FusionConfig,
     device = next(model.parameters()).device
     params = site_params(model, layers)  # pruned weights keep their zeros through their masks (modules/masks.py)
     every, digests = layers_of_every_rank(model, layers, partition)
-    frozen = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in params.values())]
+    trained = {id(q) for q in params.values()}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained]
     for p in frozen:
         p.requires_grad_(False)
 
