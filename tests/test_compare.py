@@ -118,6 +118,22 @@ def test_a_twist_trained_model_gets_its_random_subnets_on_the_frontier(tmp_path,
     assert not r["skipped"]
 
 
+def test_compare_nsn_refit_is_recorded_and_refused_without_data(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "nsn", "--budgets", "0.5",
+                              "--nsn-refit", "--no-models", "--json", *SMALL], capsys)
+    assert code == 0, err
+    (p,) = json.loads(stdout)["points"]
+    assert p["refit"] and "down refit" in p["data"] and "sequential" in p["data"]
+    assert "NSN (down refit)" in (out / "frontier.md").read_text()
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "nsn", "--budgets", "0.5",
+                         "--no-models", *SMALL], capsys)
+    assert code == 2 and "other settings" in err and "nsn_refit" in err
+    code, _, err = _run(["compare", "tiny:llama", "--out", str(tmp_path / "free"), "--data-free", "--nsn-refit",
+                         *SMALL], capsys)
+    assert code == 2 and "--nsn-refit" in err and err.count("\n") == 1 and not (tmp_path / "free").exists()
+
+
 def test_compare_with_local_tuning_records_it_per_point_and_a_rerun_without_it_is_refused(tmp_path, capsys):
     out = tmp_path / "cmp"
     code, stdout, err = _run(["compare", "tiny:llama", "--out", str(out), "--methods", "neuron,fisher,nsn",

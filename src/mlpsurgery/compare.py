@@ -72,6 +72,7 @@ class CompareConfig:
     # whole (attention and norms too; the rest of the model stays the original's either way)
     budget: str = "uniform"  # uniform: every chosen layer at the budget | per-layer: the same total width, each layer's
     # by its measured sensitivity (fuse's methods only; methods/reconstruct/budget.py, needs calibration)
+    nsn_refit: bool = False  # NSN's start with each down projection refit at every rank it serves (nest --refit)
     local_epochs: float = 0.0  # on-policy local tuning of each compressed layer in the calibration pass (fuse's
     # methods, Fisher blocks, NSN at every rank at once; methods/reconstruct/local.py, methods/nsn/local.py):
     # gradient steps, recorded as the point's local tuning
@@ -104,6 +105,8 @@ class CompareConfig:
         if self.local_epochs > 0 and self.data_free:
             raise MLPSurgeryError("local tuning trains each layer on its calibration rows: drop --data-free or "
                                   "--local-epochs")
+        if self.nsn_refit and self.data_free:
+            raise MLPSurgeryError("NSN's down refit fits each MLP on calibration rows: drop --data-free or --nsn-refit")
         if self.budget not in ("uniform", "per-layer"):
             raise MLPSurgeryError(f"budget must be uniform or per-layer, not {self.budget!r}")
         if self.budget == "per-layer":
@@ -127,6 +130,8 @@ class CompareConfig:
             out["data_free"] = True
         if self.local_epochs > 0:  # (absent when off, as data_free)
             out["local_epochs"] = self.local_epochs
+        if self.nsn_refit:  # (likewise)
+            out["nsn_refit"] = True
         if self.budget != "uniform":  # (likewise)
             out["budget"] = self.budget
         if self.recover != "layerwise":
@@ -205,18 +210,20 @@ def build(model: nn.Module, method: str, budget: float, cfg: CompareConfig, cali
             nested = copy.deepcopy(model)
             nsn.nest(nested, nsn.NSNConfig(modules="mlp", layers=",".join(map(str, layers))),
                      calib_data=calib if aware else None, local_epochs=cfg.local_epochs if aware else 0.0,
-                     seed=cfg.seed)
+                     seed=cfg.seed, refit=cfg.nsn_refit and aware)
             cache["nested"] = nested
         m = copy.deepcopy(cache["nested"])
         got = nsn.set_budget(m, budget)
         nsn.truncate(m)  # the deployed form: only the components up to the rank are kept
         from .io.provenance import history
 
-        tuned = next(h for h in reversed(history(m)) if h["method"] == "nsn")["provenance"].get("local")  # one
-        # tuning (every rank at once) serves every budget's point; each point records it
+        prov = next(h for h in reversed(history(m)) if h["method"] == "nsn")["provenance"]
+        tuned = prov.get("local")  # one tuning (every rank at once) serves every budget's point; each point records it
+        start = "whitened start" + (", sequential" if tuned or prov.get("refit") else "") + \
+            (", down refit" if prov.get("refit") else "")
         return m, {"rank": got["rank"], "mlp_flops_fraction": got["fraction"],
-                   "data": ("calibration (whitened start, sequential)" if tuned else "calibration (whitened start)")
-                   if aware else "none",
+                   "data": f"calibration ({start})" if aware else "none",
+                   **({"refit": True} if prov.get("refit") else {}),
                    **({"local": {k: tuned[k] for k in ("epochs", "steps", "seconds", "layers_kept", "layers")}}
                       if tuned else {})}
     if method == "twist":  # the chunking it was trained with
@@ -487,7 +494,10 @@ def markdown(r: dict) -> str:
         if p.get("local"):
             loc = f"local {p['local']['epochs']:g} epochs, {p['local']['steps']} steps, {p['local']['seconds']:.0f} s"
             rec = loc if rec == "-" else f"{loc}; {rec}"
-        label = "NSN (local-tuned)" if p["method"] == "nsn" and p.get("local") else LABELS.get(p["method"], p["method"])
+        label = LABELS.get(p["method"], p["method"])
+        if p["method"] == "nsn" and (p.get("local") or p.get("refit")):
+            label = "NSN (" + ", ".join((["down refit"] if p.get("refit") else []) +
+                                        (["local-tuned"] if p.get("local") else [])) + ")"
         kept = f"{p['budget']:g}" + (" (per layer)" if p.get("widths") else "")
         lines.append(f"| {label} | {kept} | {_ppl(p['ppl'])} | "
                      f"{_ppl(p['ppl'] / base['ppl'])} | {_h(p['params'])}{nz} | {_h(p['flops'])} | {sp['prefill']:.2f}x | "

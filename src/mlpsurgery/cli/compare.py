@@ -19,7 +19,7 @@ def run_compare(args) -> dict:
                           recover_lr=args.recover_lr,
                           data_free=args.data_free, recover=args.recover, recover_seconds=args.recover_seconds,
                           recover_train=args.recover_train,
-                          local_epochs=args.local_epochs, budget=args.budget,
+                          local_epochs=args.local_epochs, nsn_refit=args.nsn_refit, budget=args.budget,
                           blocks=args.blocks, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           repeats=args.repeats, threads=args.threads, seed=args.seed, models=not args.no_models)
     res = C.run(args.model, args.out, cfg, overwrite=args.overwrite, progress=progress(args), device=device_of(args))
@@ -77,6 +77,9 @@ def register(sub, groups) -> None:
                    help="on-policy local tuning of every compressed layer of fuse's methods and Fisher blocks in the "
                         "calibration pass, and of NSN's nested MLPs at every rank at once (E epochs over its rows; "
                         "gradient steps, recorded per point; 0: none)")
+    p.add_argument("--nsn-refit", action="store_true",
+                   help="NSN's start with each down projection refit by least squares at every rank it serves (`nest "
+                        "--refit`: every rank below break-even gains; the maximum rank is no longer the original)")
     p.add_argument("--budget", choices=("uniform", "per-layer"), default="uniform",
                    help="uniform: every chosen layer keeps the budget's fraction; per-layer: the same total width, "
                         "each layer's chosen by its measured sensitivity, fragile ones left whole (fuse's methods, "

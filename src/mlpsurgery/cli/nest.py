@@ -29,7 +29,7 @@ ACTIONS = ("rank", "sweep")
 TRAIN_OPTS = {"out", "max_rank", "modules", "layers", "data", "train_steps", "ranks", "n_ranks", "objective",
               "sampling", "curriculum_end", "lr", "log_var_lr", "batch_size", "block_len", "max_len", "train",
               "seed", "checkpoint", "overwrite", "layerwise", "calib_data", "calib_blocks", "calib_len", "data_free",
-              "local_epochs", "local_lr"}
+              "local_epochs", "local_lr", "refit"}
 RANK_OPTS = {"out", "rank", "budget", "form", "overwrite", "layerwise"}
 SWEEP_OPTS = {"data", "ranks", "max_tokens", "block_len", "max_examples", "max_len", "plot"}
 
@@ -94,10 +94,11 @@ def run_nest(args) -> dict:
         ranks=_ranks(args.ranks), n_ranks=args.n_ranks, objective=args.objective, sampling=args.sampling,
         curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
-    if args.local_epochs and (args.layerwise or args.data_free or parallel.launched()):
-        what = "--layerwise" if args.layerwise else "--data-free" if args.data_free else "torchrun"
-        raise MLPSurgeryError(f"--local-epochs tunes each nested MLP on calibration rows in one process with the model "
-                              f"in memory, which {what} does not give: drop {what} or --local-epochs")
+    for flag, given, does in (("--local-epochs", args.local_epochs, "tunes"), ("--refit", args.refit, "refits")):
+        if given and (args.layerwise or args.data_free or parallel.launched()):
+            what = "--layerwise" if args.layerwise else "--data-free" if args.data_free else "torchrun"
+            raise MLPSurgeryError(f"{flag} {does} each nested MLP on calibration rows in one process with the model "
+                                  f"in memory, which {what} does not give: drop {what} or {flag}")
     if args.layerwise:
         return _nest_layerwise(args, cfg)
     device = device_of(args)
@@ -110,7 +111,7 @@ def run_nest(args) -> dict:
                          overwrite=args.overwrite, device=device, progress=progress(args), calib_data=args.calib_data,
                          calib_blocks=args.calib_blocks, calib_len=args.calib_len,
                          data_free=args.data_free or parallel.launched(), local_epochs=args.local_epochs,
-                         local_lr=args.local_lr)
+                         local_lr=args.local_lr, refit=args.refit)
     return {"action": "train", **out}
 
 
@@ -239,6 +240,10 @@ def register(sub, groups) -> None:
                         "original MLP's output, at ranks from 25%% to 100%% of its dense FLOPs at once, layer after "
                         "layer on what the tuned layers before it produce (gradient steps; 0: none)")
     g.add_argument("--local-lr", type=number(0, low_open=True), help="learning rate of --local-epochs (3e-4)")
+    g.add_argument("--refit", action="store_true",
+                   help="the start's down projections refit by least squares to the original MLP's output at every "
+                        "rank from 25%% to 100%% of the dense FLOPs at once, layer after layer (no gradient step; "
+                        "every rank that saves FLOPs gains, but the maximum rank is no longer the original)")
     g.add_argument("--ranks", help="training rank set, comma-separated (its maximum is the anchor); for `sweep`: the "
                                    "ranks to evaluate")
     g.add_argument("--n-ranks", type=integer(1), default=6, help="size of the default training rank set (6)")

@@ -16,20 +16,31 @@ through the non-linearity of the others. Here each chosen layer, in order:
 
 Every rank stays a prefix of the next (the factors are trained, the nesting is structural), so the folder is an
 ordinary NSN checkpoint: `set_rank` / `set_budget` / `nest rank` work unchanged, and the model is left at its
-maximum rank as `nest` leaves it. These are gradient steps: the report records their steps and seconds."""
+maximum rank as `nest` leaves it. These are gradient steps: the report records their steps and seconds.
+
+With refit (`nest --refit`, no gradient step), step 2's down projection is not the original one factorised: it is
+the least-squares down projection (ridge, reconstruct/refit.py) from the inner activations that the truncated gate /
+up give at each rank of the trained set, pooled, to the original MLP's output -- the reduced-rank regression of the
+`svd` baseline (reconstruct/layer.py) made to serve every rank at once -- and factorised in the metric of those pooled
+activations, so every rank stays a prefix of the next. What it gives up: at its maximum rank the nested MLP is no
+longer the original (the least-squares map is not W_down), which the plain start keeps exactly; every rank that
+saves FLOPs gains (SmolLM2, docs/nsn.md)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+import torch
 from torch import Tensor, nn
 
 from ...errors import MLPSurgeryError
-from ...modules.nested import rank_all, rank_for_budget
+from ...modules.nested import NestedLinear, rank_all, rank_for_budget
 from ...sites import find_sites, parse_layers
 from ..reconstruct.local import subblock_rows, tune_local_
 
 FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # of the layer's dense MLP FLOPs: 25% to break-even
+NSN_REFIT_RIDGE = 1e-4  # of the down refit pooled over the ranks (rows ~ 2 x the calibration's); reconstruct's 1e-3 was
+# 2-3% worse on SmolLM2, 1e-5 no better (benchmarks/notes/nsn_refit_ridge.py, docs/notes/nsn.md)
 NSN_LOCAL_LR = 3e-4  # factors B, A of a whitened start take smaller steps than whole neurons (reconstruct's 3e-3): on
 # SmolLM2 at 8k rows, 4 epochs, 3e-3 was undone in every layer (the error rose), 1e-3 kept in 9 of 20, 3e-4 in 19
 # (weighted error -5%), 1e-4 in 20 (-4%); docs/notes/calibration.md
@@ -65,16 +76,56 @@ def _moments_and_goal(site, slots, x: Tensor) -> tuple[dict[int, Tensor], Tensor
     return {n: got[str(n)] for n in range(len(slots))}, goal
 
 
+def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
+    """The nested MLP at `site` (its NestedLinears `nested`) gets the down projection refit at every rank of
+    `ranks` at once (the module docstring): one least-squares map from the inner activations the truncated gate / up
+    give, pooled over the ranks, to `target`'s output (the original MLP's weights) on the MLP inputs of the residual
+    rows x; then nested in the metric of those activations. Each rank sees an equal share of the rows (every
+    ceil(len(ranks) / 2)-th row, offset by the rank's place: the pooled rows are about twice x, not len(ranks) times).
+    In place; returns the relative output error of the nested MLP at each rank before and after."""
+    from ..reconstruct.layer import mlp_inputs
+    from ..reconstruct.refit import fit_error, refit_stats, solve_down
+    from ..reconstruct.whiten import whitened_factors
+
+    down = site.linears()["down"]
+    xin = mlp_inputs(site, x)
+    every = max(1, (len(ranks) + 1) // 2)
+    stats, before = [], []
+    for j, r in enumerate(ranks):
+        rank_all(nested, r)
+        w = site.read()
+        stats.append(refit_stats(w, target, xin[j % every::every], dtype=torch.float32))
+        before.append(fit_error(stats[-1], w.down, w.down_bias))
+    # the rows of every rank count alike (weighing each rank by 1 / its error before, as the multi-rank tuning does,
+    # favoured the top ranks and lost at half the FLOPs and below on SmolLM2: docs/notes/nsn.md)
+    pooled = stats[0]
+    for st in stats[1:]:
+        pooled = pooled + st
+    D, b = solve_down(pooled, down.bias is not None, NSN_REFIT_RIDGE)
+    B, A, _ = whitened_factors(D, pooled.G / pooled.n)
+    R = down.max_rank
+    like = down.B.detach()
+    new = NestedLinear.from_factors(B[:, :R], A[:R], None if b is None else b, dense_class=down.dense_class, like=like)
+    site.replace_linear("down", new)
+    with torch.no_grad():
+        after = [fit_error(st, new.weight_at(r), None if b is None else new.bias) for r, st in zip(ranks, stats)]
+    return {"error_before": before, "error_after": after}
+
+
 def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | None = None,
-               fractions=FRACTIONS, progress: bool = False, seed: int = 0, batch_size: int = 8) -> dict:
+               fractions=FRACTIONS, progress: bool = False, seed: int = 0, batch_size: int = 8,
+               refit: bool = False) -> dict:
     """`nest` with sequential calibration and multi-rank local tuning (the module docstring), in place. Returns the
-    per-layer report: ranks trained, steps, seconds, the error at each rank before and after, kept."""
+    per-layer report: ranks trained, steps, seconds, the error at each rank before and after, kept. refit: each
+    layer's down projection refit at every rank of its trained set before the tuning (`refit_down_nested_`);
+    epochs may then be 0 (the closed form alone)."""
     from ..reconstruct.sequential import sequential
     from .surgery import layer_slots, nest_layer
 
     if cfg.modules != "mlp":
-        raise MLPSurgeryError("local tuning trains each MLP sub-block toward the original's output: nest --modules "
-                              "mlp with it (the attention projections have no such target here)")
+        what = "local tuning trains" if epochs > 0 else "the down refit fits"
+        raise MLPSurgeryError(f"{what} each MLP sub-block toward the original's output: nest --modules mlp with it "
+                              "(the attention projections have no such target here)")
     if not fractions or any(not 0 < f for f in fractions):
         raise MLPSurgeryError(f"the tuning fractions must be positive FLOPs fractions, not {list(fractions)}")
     sites = find_sites(model)
@@ -86,18 +137,24 @@ def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | 
     def work(i: int, x: Tensor) -> None:
         site = sites.mlp[i]
         slots = layer_slots(model, cfg, i)
+        target = site.read() if refit else None  # the original MLP, before its projections are nested
         moments, goal = _moments_and_goal(site, slots, x)
         nest_layer(model, cfg, i, moments)
         del moments
         nested = [s.module for s in layer_slots(model, cfg, i)]
         ranks = layer_ranks(nested, fractions)
+        fitted = {}
+        if refit:
+            fitted = {"refit": refit_down_nested_(site, nested, target, x, ranks)}
+            nested = [s.module for s in layer_slots(model, cfg, i)]
         settings = [lambda r=r: rank_all(nested, r) for r in ranks]
         info = tune_local_(site, x, goal, epochs, lr or NSN_LOCAL_LR, seed=seed + i, settings=settings)
         stream = ranks[len(ranks) // 2]
         rank_all(nested, stream)  # the next layer is calibrated on what this one gives at the stream rank
-        rows[i] = {"layer": i, "ranks": ranks, "stream_rank": stream, **info}
+        rows[i] = {"layer": i, "ranks": ranks, "stream_rank": stream, **info, **fitted}
 
-    sequential(model, calib, layers, work, batch_size=batch_size, progress=progress, desc="nest + local tuning")
+    desc = "nest + local tuning" if epochs > 0 else "nest + down refit" if refit else "nest (sequential)"
+    sequential(model, calib, layers, work, batch_size=batch_size, progress=progress, desc=desc)
     for i in layers:  # every nested projection back at its maximum rank, as `nest` leaves them
         for s in layer_slots(model, cfg, i):
             s.module.rank = s.module.max_rank

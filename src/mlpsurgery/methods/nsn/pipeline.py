@@ -39,14 +39,15 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                checkpoint_dir: str | Path | None = None, overwrite: bool = False, device: str = "cpu",
                progress: bool = True, calib_data: str | None = None, calib_blocks: int = CALIB_BLOCKS,
                calib_len: int = CALIB_LEN,
-               data_free: bool = False, local_epochs: float = 0.0, local_lr: float | None = None) -> dict:
+               data_free: bool = False, local_epochs: float = 0.0, local_lr: float | None = None,
+               refit: bool = False) -> dict:
     """Load MODEL, nest it, train it with the multi-rank objective when train.fit.steps > 0 (language
     modelling on a corpus; classification on a labelled set, with a new head), save to `out`.
 
     The nested start is the whitened SVD on calib_blocks x calib_len tokens of calib_data (its train split; 'self'
     samples from the model; by default data/sampled.py's mix, Austen for an encoder; `nest(calib_data=...)`), or the
     plain SVD with data_free (the paper's B.2). local_epochs > 0: then each nested MLP tuned at every rank at once on
-    its calibration rows, layer after layer (local.py).
+    its calibration rows, layer after layer (local.py). refit: the down projections refit at every rank (local.py).
 
     Checkpoints go to checkpoint_dir (default: `out` + ".ckpt" beside it) and are removed once the model is
     saved; rerunning the same command after an interruption resumes."""
@@ -71,9 +72,12 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
     if local_epochs and (data_free or world > 1):
         raise MLPSurgeryError("--local-epochs tunes each nested MLP on calibration rows in one process: drop it, or "
                               + ("drop --data-free" if data_free else "run `nest` without torchrun"))
-    if local_epochs and cfg.modules != "mlp":
-        raise MLPSurgeryError("--local-epochs tunes the nested MLPs toward the original's output: use --modules mlp "
-                              "with it")
+    if refit and (data_free or world > 1):
+        raise MLPSurgeryError("--refit fits each nested MLP on calibration rows in one process: drop it, or "
+                              + ("drop --data-free" if data_free else "run `nest` without torchrun"))
+    for flag, given in (("--local-epochs", local_epochs), ("--refit", refit)):
+        if given and cfg.modules != "mlp":
+            raise MLPSurgeryError(f"{flag} fits the nested MLPs to the original's output: use --modules mlp with it")
 
     for given in (data, calib_data):  # a FIFO or a device as data is refused before any work, not waited on
         check_data(given)
@@ -116,11 +120,13 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         calib = calibration_blocks(calib_data, model, loaded.require_tokenizer(), block_len=calib_len,
                                    max_blocks=calib_blocks, seed=train.fit.seed if train else 0, progress=progress)
     nest(model, cfg, progress=progress, calib_data=calib, local_epochs=local_epochs, local_lr=local_lr,
-         seed=train.fit.seed if train else 0)
+         seed=train.fit.seed if train else 0, refit=refit)
     local = history(model)[-1]["provenance"].get("local")
+    refitted = history(model)[-1]["provenance"].get("refit")
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
                     "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)"
-                    + (", sequential, multi-rank local tuning" if local else ""),
+                    + (", sequential" if local or refitted else "") + (", down refit at every rank" if refitted else "")
+                    + (", multi-rank local tuning" if local else ""),
                     **({"local": local} if local else {}),
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"]}

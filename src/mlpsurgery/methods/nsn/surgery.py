@@ -110,7 +110,7 @@ def input_moments_of(model: nn.Module, slots: list[_Slot], calib: Tensor, batch_
 
 def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
          calib_data: Tensor | None = None, local_epochs: float = 0.0, local_lr: float | None = None,
-         seed: int = 0) -> nn.Module:
+         seed: int = 0, refit: bool = False) -> nn.Module:
     """Replace the chosen projections with SVD-initialised NestedLinears, in place. Returns the model.
     progress: a bar over the projections (a full SVD each: about 30 s for SmolLM2's 90 MLP projections).
     calib_data ((N, T) token blocks): the whitened start -- each projection factorised in the metric of its inputs on
@@ -118,7 +118,10 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
     size for the outputs the layer really produces; without it the plain SVD (the paper's B.2).
     local_epochs > 0 (needs calib_data, --modules mlp): layer by layer, the whitened start on the rows the nested
     layers before it produce, then `local_epochs` epochs of multi-rank local tuning toward the original MLP's output
-    (local.py); its report is recorded in the model's surgery record under "local"."""
+    (local.py); its report is recorded in the model's surgery record under "local".
+    refit (needs calib_data, --modules mlp): the same sequential start with each down projection refit by least
+    squares at every rank it serves (local.py: every rank that saves FLOPs gains; the maximum rank is then not the
+    original MLP); with or without local tuning after it."""
     from tqdm.auto import tqdm
 
     cfg = cfg or NSNConfig()
@@ -128,21 +131,31 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
     if local_epochs > 0 and calib_data is None:
         raise MLPSurgeryError("local tuning trains each nested MLP on calibration rows: give calibration data (drop "
                               "--data-free) or drop --local-epochs")
+    if refit and calib_data is None:
+        raise MLPSurgeryError("the down refit fits each nested MLP on calibration rows: give calibration data (drop "
+                              "--data-free) or drop --refit")
     layers = parse_layers(cfg.layers, len(find_sites(model)))
     slots = list(_slots(model, cfg.modules, layers))
     done = [f"layer {s.index} {s.role}" for s in slots if isinstance(s.module, NestedLinear)]
     if done:
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
-    if local_epochs > 0:
+    if local_epochs > 0 or refit:
         from .local import nest_tuned
 
-        report = nest_tuned(model, cfg, calib_data, local_epochs, local_lr, progress=progress, seed=seed)
-        summary = {k: report[k] for k in ("epochs", "lr", "fractions", "steps", "seconds")}
-        summary["layers_kept"] = sum(bool(r.get("kept")) for r in report["layers"])
-        summary["layers"] = len(report["layers"])
-        record(model, "nsn", asdict(cfg), projections=len(slots), calib_tokens=int(calib_data.numel()),
-               init="whitened svd, sequential, multi-rank local tuning", local=summary)
+        report = nest_tuned(model, cfg, calib_data, local_epochs, local_lr, progress=progress, seed=seed, refit=refit)
+        init = "whitened svd, sequential" + (", down refit at every rank" if refit else "") + \
+            (", multi-rank local tuning" if local_epochs > 0 else "")
+        extra = {}
+        if local_epochs > 0:
+            summary = {k: report[k] for k in ("epochs", "lr", "fractions", "steps", "seconds")}
+            summary["layers_kept"] = sum(bool(r.get("kept")) for r in report["layers"])
+            summary["layers"] = len(report["layers"])
+            extra["local"] = summary
+        if refit:
+            extra["refit"] = {"exact_at_max_rank": False, "layers": len(report["layers"])}
+        record(model, "nsn", asdict(cfg), projections=len(slots), calib_tokens=int(calib_data.numel()), init=init,
+               **extra)
         return model
     moments = {}
     if calib_data is not None and slots:
