@@ -4,8 +4,7 @@ measured on the same held-out text, each written as a folder that stock transfor
 1. CoreLocker: lock 5% of the weights into a key -> held-out perplexity collapses -> unlock -> every tensor
    identical to the original (SHA-256 per tensor).
 2. Nested Subspace Networks: the MLPs of the later two thirds of the layers nested (whitened SVD on calibration
-   text, each down projection refit at every rank, then each layer tuned at every rank at once on its calibration
-   rows), perplexity at several ranks against
+   text, then each layer tuned at every rank at once on its calibration rows), perplexity at several ranks against
    the FLOPs each costs; the folder switches rank after loading (`set_rank`).
 3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron pruning at the same width,
    both calibrated (each layer on what the compressed layers before it produce: neurons clustered / scored on their
@@ -137,8 +136,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
 
         with clock.stage("Nested Subspace Networks: nested MLPs tuned at every rank, rank sweep"):
             nested = copy.deepcopy(model)
-            nsn.nest(nested, nsn.NSNConfig(layers="last2/3"), calib_data=calib, local_epochs=NSN_LOCAL_EPOCHS,
-                     refit=True)
+            nsn.nest(nested, nsn.NSNConfig(layers="last2/3"), calib_data=calib, local_epochs=NSN_LOCAL_EPOCHS)
             nsn.set_budget(nested, max(NSN_FRACTIONS))  # components past the break-even rank were never tuned, and
             nsn.truncate(nested)  # without them the checkpoint of every rank is no larger than the dense MLPs
             ranks = sorted({nsn.budget_rank(nested, f) for f in NSN_FRACTIONS}, reverse=True)
@@ -153,9 +151,9 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             del nested
         at = next(s for s in sweep if s["rank"] == shown)
         rows.append({"method": "NSN", "folder": nsn_folder, "what": "one nested checkpoint of the MLPs in the last two "
-                     "thirds of the layers (whitened SVD, down refit and tuned at every rank at once), rank chosen at "
+                     "thirds of the layers (whitened SVD, tuned at every rank at once), rank chosen at "
                      f"inference; here rank {shown}", "params": nsn_params, "ppl": at["ppl"],
-                     "data": seen + f", sequential, down refit, {NSN_LOCAL_EPOCHS:g} epochs of local tuning",
+                     "data": seen + f", sequential, {NSN_LOCAL_EPOCHS:g} epochs of local tuning",
                      "note": f"{at['mlp_flops']:.0%} of their FLOPs; at "
                              + " / ".join(f"{s['mlp_flops']:.0%}" for s in sweep) + ": "
                              + ", ".join(f"{s['ppl']:.0f}" for s in sweep)})

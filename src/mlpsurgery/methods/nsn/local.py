@@ -40,7 +40,8 @@ from ..reconstruct.local import subblock_rows, tune_local_
 
 FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # of the layer's dense MLP FLOPs: 25% to break-even
 NSN_REFIT_RIDGE = 1e-4  # of the down refit pooled over the ranks (rows ~ 2 x the calibration's); reconstruct's 1e-3 was
-# 2-3% worse on SmolLM2, 1e-5 no better (benchmarks/notes/nsn_refit_ridge.py, docs/notes/nsn.md)
+# 2-3% worse on SmolLM2, 1e-5 no better (unweighted; benchmarks/notes/nsn_refit_ridge.py, docs/notes/nsn.md)
+NSN_REFIT_WEIGH = True  # each rank's rows weighed by 1 / its error before (below)
 NSN_LOCAL_LR = 3e-4  # factors B, A of a whitened start take smaller steps than whole neurons (reconstruct's 3e-3): on
 # SmolLM2 at 8k rows, 4 epochs, 3e-3 was undone in every layer (the error rose), 1e-3 kept in 9 of 20, 3e-4 in 19
 # (weighted error -5%), 1e-4 in 20 (-4%); docs/notes/calibration.md
@@ -96,11 +97,13 @@ def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
         w = site.read()
         stats.append(refit_stats(w, target, xin[j % every::every], dtype=torch.float32))
         before.append(fit_error(stats[-1], w.down, w.down_bias))
-    # the rows of every rank count alike (weighing each rank by 1 / its error before, as the multi-rank tuning does,
-    # favoured the top ranks and lost at half the FLOPs and below on SmolLM2: docs/notes/nsn.md)
-    pooled = stats[0]
-    for st in stats[1:]:
-        pooled = pooled + st
+    # each rank's sums weighed by 1 / its squared error before: every rank's relative improvement counts alike (the
+    # weighting of the multi-rank tuning). Unweighted, the low ranks' large errors decide the fit and the top ranks
+    # lose: SmolLM2 at 100% of the FLOPs 46.2 against the plain start's 43.7, weighed 43.3 (docs/notes/nsn.md)
+    pooled = None
+    for st, e in zip(stats, before):
+        part = st.scaled(1.0 / max(e * st.yy, 1e-300)) if NSN_REFIT_WEIGH else st
+        pooled = part if pooled is None else pooled + part
     D, b = solve_down(pooled, down.bias is not None, NSN_REFIT_RIDGE)
     B, A, _ = whitened_factors(D, pooled.G / pooled.n)
     R = down.max_rank

@@ -69,13 +69,10 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
         raise MLPSurgeryError("under torchrun `nest` shards its training over the ranks: give --train-steps N, or run "
                               "it as one process")
     progress = progress and rank == 0
-    if local_epochs and (data_free or world > 1):
-        raise MLPSurgeryError("--local-epochs tunes each nested MLP on calibration rows in one process: drop it, or "
-                              + ("drop --data-free" if data_free else "run `nest` without torchrun"))
-    if refit and (data_free or world > 1):
-        raise MLPSurgeryError("--refit fits each nested MLP on calibration rows in one process: drop it, or "
-                              + ("drop --data-free" if data_free else "run `nest` without torchrun"))
     for flag, given in (("--local-epochs", local_epochs), ("--refit", refit)):
+        if given and (data_free or world > 1):
+            raise MLPSurgeryError(f"{flag} fits each nested MLP on calibration rows in one process: drop it, or "
+                                  + ("drop --data-free" if data_free else "run `nest` without torchrun"))
         if given and cfg.modules != "mlp":
             raise MLPSurgeryError(f"{flag} fits the nested MLPs to the original's output: use --modules mlp with it")
 

@@ -34,12 +34,16 @@ class RefitStats:
     a_sum: Tensor
     y_sum: Tensor
     yy: float
-    n: int
+    n: float  # rows (the sum of their weights when weighed)
 
     def __add__(self, other: "RefitStats") -> "RefitStats":
         """The sums over both sets of rows (e.g. the same MLP at several ranks: one fit serving them all)."""
         return RefitStats(self.G + other.G, self.AY + other.AY, self.a_sum + other.a_sum, self.y_sum + other.y_sum,
                           self.yy + other.yy, self.n + other.n)
+
+    def scaled(self, w: float) -> "RefitStats":
+        """Every row weighed by w (the sums of a weighted least squares; n becomes the sum of the weights)."""
+        return RefitStats(self.G * w, self.AY * w, self.a_sum * w, self.y_sum * w, self.yy * w, self.n * w)
 
 
 def refit_stats(new: MLPWeights, target: MLPWeights, x: Tensor, y: Tensor | None = None,
