@@ -418,8 +418,8 @@ def test_local_tuning_lowers_every_layers_multi_rank_error_and_the_folder_stays_
 @pytest.mark.parametrize("arch", ("llama", "gpt2", "phi3", "bert", "gemma2", "opt"))
 def test_down_refit_lowers_every_ranks_error_and_stays_nested(arch, tmp_path):
     """nest(refit=True): each layer's down projection refit at every rank of its trained set at once lowers the MLP's
-    output error over them, weighed alike (gpt2 / opt / bert: a down bias; phi3: fused gate_up; gemma2: a norm after the MLP),
-    the nesting holds, and the record says the maximum rank is no longer the original."""
+    output error over them, weighed alike (gpt2 / opt / bert: a down bias; phi3: fused gate_up; gemma2: a norm after
+    the MLP), the nesting holds, and the record says the maximum rank is no longer the original."""
     from mlpsurgery.io.provenance import history
     from mlpsurgery.methods.nsn.local import nest_tuned
 

@@ -20,11 +20,12 @@ maximum rank as `nest` leaves it. These are gradient steps: the report records t
 
 With refit (`nest --refit`, no gradient step), step 2's down projection is not the original one factorised: it is
 the least-squares down projection (ridge, reconstruct/refit.py) from the inner activations that the truncated gate /
-up give at each rank of the trained set, pooled, to the original MLP's output -- the reduced-rank regression of the
-`svd` baseline (reconstruct/layer.py) made to serve every rank at once -- and factorised in the metric of those pooled
-activations, so every rank stays a prefix of the next. What it gives up: at its maximum rank the nested MLP is no
-longer the original (the least-squares map is not W_down), which the plain start keeps exactly; every rank that
-saves FLOPs gains (SmolLM2, docs/nsn.md)."""
+up give at each rank of the trained set, pooled (each rank weighed by 1 / its error before), to the original MLP's
+output -- the reduced-rank regression of the `svd` baseline (reconstruct/layer.py) made to serve every rank at once --
+and factorised in the metric of those pooled activations, so every rank stays a prefix of the next. What it gives
+up: at its maximum rank the nested MLP is no longer the original (the least-squares map is not W_down), which the
+plain start keeps exactly; with the default 32k calibration tokens every rank from 25% to 100% of the FLOPs gains on
+SmolLM2, with 8k the top ranks lose (docs/notes/nsn.md)."""
 
 from __future__ import annotations
 
@@ -80,10 +81,11 @@ def _moments_and_goal(site, slots, x: Tensor) -> tuple[dict[int, Tensor], Tensor
 def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     """The nested MLP at `site` (its NestedLinears `nested`) gets the down projection refit at every rank of
     `ranks` at once (the module docstring): one least-squares map from the inner activations the truncated gate / up
-    give, pooled over the ranks, to `target`'s output (the original MLP's weights) on the MLP inputs of the residual
-    rows x; then nested in the metric of those activations. Each rank sees an equal share of the rows (every
-    ceil(len(ranks) / 2)-th row, offset by the rank's place: the pooled rows are about twice x, not len(ranks) times).
-    In place; returns the relative output error of the nested MLP at each rank before and after."""
+    give, pooled over the ranks (each weighed by 1 / its error before), to `target`'s output (the original MLP's
+    weights) on the MLP inputs of the residual rows x; then nested in the metric of those activations. Each rank sees
+    an equal share of the rows (every ceil(len(ranks) / 2)-th row, offset by the rank's place: the pooled rows are
+    about twice x, not len(ranks) times). In place; returns the relative output error of the nested MLP at each rank
+    before and after."""
     from ..reconstruct.layer import mlp_inputs
     from ..reconstruct.refit import fit_error, refit_stats, solve_down
     from ..reconstruct.whiten import whitened_factors

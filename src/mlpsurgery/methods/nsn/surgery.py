@@ -120,8 +120,8 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
     layers before it produce, then `local_epochs` epochs of multi-rank local tuning toward the original MLP's output
     (local.py); its report is recorded in the model's surgery record under "local".
     refit (needs calib_data, --modules mlp): the same sequential start with each down projection refit by least
-    squares at every rank it serves (local.py: every rank that saves FLOPs gains; the maximum rank is then not the
-    original MLP); with or without local tuning after it."""
+    squares at every rank it serves (local.py: with enough calibration every rank that saves FLOPs gains; the maximum
+    rank is then not the original MLP); with or without local tuning after it."""
     from tqdm.auto import tqdm
 
     cfg = cfg or NSNConfig()
