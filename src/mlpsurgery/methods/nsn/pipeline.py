@@ -118,12 +118,11 @@ def nest_model(model_spec: str | None, out: str | Path, cfg: NSNConfig, train: N
                                    max_blocks=calib_blocks, seed=train.fit.seed if train else 0, progress=progress)
     nest(model, cfg, progress=progress, calib_data=calib, local_epochs=local_epochs, local_lr=local_lr,
          seed=train.fit.seed if train else 0, refit=refit)
-    local = history(model)[-1]["provenance"].get("local")
-    refitted = history(model)[-1]["provenance"].get("refit")
+    prov = history(model)[-1]["provenance"]
+    local = prov.get("local")
     result: dict = {"model": loaded.source, "out": str(out), "config": asdict(cfg),
                     "init": "plain svd" if calib is None else f"whitened svd ({int(calib.numel())} calibration tokens)"
-                    + (", sequential" if local or refitted else "") + (", down refit at every rank" if refitted else "")
-                    + (", multi-rank local tuning" if local else ""),
+                    + prov["init"].removeprefix("whitened svd"),  # what `nest` recorded: sequential, refit, tuning
                     **({"local": local} if local else {}),
                     "projections": len(nested_linears(model)), "max_rank": max_rank(model),
                     "full_rank_flops_fraction": nested_flops(model)["fraction"]}

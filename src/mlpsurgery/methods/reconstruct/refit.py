@@ -66,8 +66,9 @@ def refit_stats(new: MLPWeights, target: MLPWeights, x: Tensor, y: Tensor | None
             G += (a.T @ a).double()
             AY += (a.T @ y).double()
             a_sum += a.double().sum(0)
-            y_sum += y.double().sum(0)
-            yy += float((y.double() * y.double()).sum())
+            y64 = y.double()
+            y_sum += y64.sum(0)
+            yy += float((y64 * y64).sum())
     return RefitStats(G, AY, a_sum, y_sum, yy, len(x))
 
 
