@@ -20,7 +20,7 @@ def test_demo_runs_every_method_and_loads_every_folder_in_transformers(tmp_path,
     assert not stock["CoreLocker"]["trust_remote_code"]  # a locked folder is a plain transformers checkpoint
     assert r["rows"][1]["note"] == "unlocked bit for bit: True"
     seen = {row["method"]: row["data"] for row in r["rows"]}  # the table says which data each method saw
-    assert "calibration" in seen["NSN"] and "sequential" in seen["MLP Fusion"] and seen["TwIST subnet"].startswith("none")
+    assert "calibration" in seen["NSN"] and "sequential" in seen["MLP Fusion"] and "calibration" in seen["TwIST subnet"]
     assert "data seen" in (out / "summary.md").read_text()
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "summary.md").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # the model folders were temporary

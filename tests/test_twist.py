@@ -15,7 +15,7 @@ from mlpsurgery.methods.twist import (Aggregator, Subnet, TwISTConfig, attn_keep
                                       deployment_subnet, generate_blueprint, make_layout, materialize, subnet_hooks,
                                       twist_extract, twist_train)
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import tiny_config, tiny_model
+from mlpsurgery.tiny import ARCHITECTURES, tiny_config, tiny_model
 
 
 @st.composite
@@ -303,9 +303,10 @@ def test_aggregation_is_fedavg():
 
 
 @pytest.mark.parametrize("arch", ("llama", "gemma2", "gpt2", "phi3", "opt", "gpt_neox", "bert"))
-def test_a_refit_subnet_changes_only_the_narrowed_down_projections_and_lowers_each_ones_error(arch, ids):
-    """refit_subnet_: the narrowed MLPs' down projections (and nothing else) refit in sequence; each layer's output
-    error on its calibration rows falls, and the layers kept whole are untouched."""
+def test_a_refit_subnet_changes_only_the_narrowed_projections_and_lowers_each_ones_error(arch, ids):
+    """refit_subnet_: the narrowed MLPs' down projections and the narrowed attention's output projections (and
+    nothing else) refit in sequence; each one's output error on its calibration rows falls, and the layers kept whole
+    are untouched. Attention alone (--parts attn) is refit too; a subnet that narrowed nothing is refused."""
     from mlpsurgery.io.provenance import history
     from mlpsurgery.methods.twist import refit_subnet_
 
@@ -317,15 +318,51 @@ def test_a_refit_subnet_changes_only_the_narrowed_down_projections_and_lowers_ea
     assert sorted(errs) == [1, 2]
     for i, e in errs.items():
         assert e["error_after"] < e["error_before"], (i, e)
+        assert e["attention"]["error_after"] < e["attention"]["error_before"], (i, e)
     a, b = find_sites(plain), find_sites(sub)
     for i in range(4):
         wa, wb = a.mlp[i].read(), b.mlp[i].read()
-        assert torch.equal(wa.up, wb.up) and torch.equal(a.attn[i].read().o, b.attn[i].read().o)
+        qa, qb = a.attn[i].read(), b.attn[i].read()
+        assert torch.equal(wa.up, wb.up) and torch.equal(qa.q, qb.q) and torch.equal(qa.v, qb.v)
         assert torch.equal(wa.down, wb.down) == (i not in (1, 2))
+        assert torch.equal(qa.o, qb.o) == (i not in (1, 2))
     assert history(sub)[-1]["method"] == "twist-refit" and history(sub)[-1]["provenance"]["calib_tokens"] == 256
+    assert history(sub)[-1]["config"]["attention"] == [1, 2]
+    # each projection was fitted on the rows the final subnet gives it (layer i's MLP on what its refit attention and
+    # the refit layers before produce): a second refit finds each one where the first left it
+    again = refit_subnet_(copy.deepcopy(sub), m, calib, progress=False)
+    for i, e in errs.items():
+        assert again[i]["error_before"] == pytest.approx(e["error_after"], rel=1e-4, abs=1e-9)
+        assert again[i]["attention"]["error_before"] == pytest.approx(e["attention"]["error_after"], rel=1e-4,
+                                                                       abs=1e-9)
     attn_only = twist_extract(m, keep=2, blocks=4, parts="attn", layers=[1, 2], seed=5)
-    with pytest.raises(MLPSurgeryError, match="narrowed no MLP"):
-        refit_subnet_(attn_only, m, calib, progress=False)
+    before = {i: find_sites(attn_only).mlp[i].read().down.clone() for i in range(4)}
+    errs = refit_subnet_(attn_only, m, calib, progress=False)
+    assert sorted(errs) == [1, 2] and all(set(e) == {"attention"} for e in errs.values())
+    assert all(e["attention"]["error_after"] < e["attention"]["error_before"] for e in errs.values())
+    assert all(torch.equal(find_sites(attn_only).mlp[i].read().down, before[i]) for i in range(4))
+    whole = twist_extract(m, keep=4, blocks=4, parts="both", layers=[1, 2], seed=5)
+    with pytest.raises(MLPSurgeryError, match="narrowed no MLP and cut no attention head"):
+        refit_subnet_(whole, m, calib, progress=False)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_attention_refit_sees_what_the_output_projection_reads_and_the_originals_output(arch):
+    """The sequential walk's attention rows (methods/reconstruct/sequential.py, attention.py) on an unchanged copy:
+    the original attention, called with the very arguments the layer passed, gives out of its output projection
+    exactly what the copy's output projection makes of the rows it read (relative error ~ 0 before any refit), and the
+    refit keeps it; every architecture's masks, positions and rotary tables reach it."""
+    from mlpsurgery.methods.reconstruct.layer import refit_model_
+
+    m = four_layers(arch)
+    same = copy.deepcopy(m)
+    calib = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    fitted = refit_model_(same, m, calib, [], attn_layers=[1, 3])
+    assert sorted(fitted) == [1, 3]
+    for i, e in fitted.items():
+        assert e["attention"]["error_before"] < 1e-10, (i, e)
+        assert e["attention"]["error_after"] < 1e-4, (i, e)
+    assert torch.allclose(outputs(same, calib[:1]), outputs(m, calib[:1]), atol=1e-3)
 
 
 def blocks_of(seed=0, n=24, t=32):
@@ -463,6 +500,7 @@ def test_cli_train_extract(tmp_path, capsys):
     assert code == 0 and fit["subnet"] == r["subnet"] and fit["refit"]["calibration"] == [4, 32]
     assert [int(i) for i in fit["refit"]["layers"]] == [0]
     assert all(e["error_after"] < e["error_before"] for e in fit["refit"]["layers"].values())
+    assert all(e["attention"]["error_after"] < e["attention"]["error_before"] for e in fit["refit"]["layers"].values())
     again, plain = find_sites(load(tmp_path / "sub-fit")), find_sites(load(tmp_path / "sub"))
     assert not torch.equal(again.mlp[0].read().down, plain.mlp[0].read().down)
     assert torch.equal(again.mlp[0].read().up, plain.mlp[0].read().up)
@@ -472,11 +510,17 @@ def test_cli_train_extract(tmp_path, capsys):
     own = json.loads(capsys.readouterr().out)
     assert code == 0 and own["subnet"] == r["subnet"] and own["refit"]["calibration"] == [4, 32]
     assert all(e["error_after"] < e["error_before"] for e in own["refit"]["layers"].values())
-    for extra, why in ((["--layerwise"], "--layerwise"), (["--parts", "attn"], "--parts attn")):
-        code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "x-fit"),
-                     "--calib-data", str(text), *extra])
-        err = capsys.readouterr().err
-        assert code == 2 and why in err and err.count("\n") == 1 and not (tmp_path / "x-fit").exists()
+    # attention alone: its narrowed layers' output projections refit, no MLP touched
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--parts", "attn", "--out",
+                 str(tmp_path / "sub-attn"), "--calib-data", str(text), "--calib-blocks", "4", "--calib-len", "32",
+                 "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "output projections of 1 attention layers with heads cut refit" in out
+    assert "down projections" not in out
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "x-fit"),
+                 "--calib-data", str(text), "--layerwise"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--layerwise" in err and err.count("\n") == 1 and not (tmp_path / "x-fit").exists()
     # refused, exit 2, nothing written: a model without files, a folder holding pruning masks
     from mlpsurgery.methods.pruning import prune
 

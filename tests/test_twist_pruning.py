@@ -143,8 +143,9 @@ def test_prune_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("method", ["fisher", "random"])
 def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blocks(tmp_path, capsys, method):
-    """prune --refit: the same blocks as without it, each narrowed MLP's down projection refit (its error falls); refused
-    (one line, exit 2, nothing written) for the unstructured methods, --parts attn and --layerwise."""
+    """prune --refit: the same blocks as without it, each narrowed MLP's down projection refit (its error falls), with
+    --parts attn each narrowed attention's output projection; refused (one line, exit 2, nothing written) for the
+    unstructured methods and --layerwise."""
     from mlpsurgery.cli import main
     from mlpsurgery.io import load
     from mlpsurgery.sites import find_sites
@@ -164,7 +165,13 @@ def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blo
     for i in range(n):
         a, b = plain.mlp[i].read(), fit.mlp[i].read()
         assert torch.equal(a.up, b.up) and not torch.allclose(a.down, b.down)
-    for extra, m in ((["--parts", "attn"], method), (["--layerwise"], method), ([], "sparsegpt")):
+    attn = [a if a != "ffn" else "attn" for a in common] + ["--refit", "--out", str(tmp_path / "attn")]
+    assert main(attn) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert sorted(int(i) for i in r["refit"]) == list(range(n))
+    assert all(set(e) == {"attention"} and e["attention"]["error_after"] < e["attention"]["error_before"]
+               for e in r["refit"].values()), r["refit"]
+    for extra, m in ((["--layerwise"], method), ([], "sparsegpt")):
         code = main(["prune", "tiny:llama", "--method", m, "--sparsity", "0.5", "--refit", *extra,
                      "--out", str(tmp_path / "x")])
         err = capsys.readouterr().err

@@ -9,8 +9,9 @@ measured on the same held-out text, each written as a folder that stock transfor
 3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron pruning at the same width,
    both calibrated (each layer on what the compressed layers before it produce: neurons clustered / scored on their
    activations there, the down projection refit).
-4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks (the pretrained model was not TwIST-trained, so
-   this shows the deployment step; docs/twist.md has what training buys).
+4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks and half the KV groups, its narrowed projections
+   refit on the calibration text (the pretrained model was not TwIST-trained, so this shows the deployment step;
+   docs/twist.md has what training buys).
 5. DLR-Lock of a few layers (a short phase 1), with the training-step peak memory against the original.
 Then every written folder is loaded with `transformers.AutoModelForCausalLM.from_pretrained` (with
 `trust_remote_code=True` where the folder carries generated modeling code) and its logits compared with
@@ -84,7 +85,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
     from .methods.corelocker import CoreLockerConfig, fingerprint, lock_folder, tensor_hashes, unlock_folder
     from .methods.dlr_lock import DLRConfig, dlr_lock
     from .methods.fusion import FusionConfig, fuse
-    from .methods.twist import twist_extract
+    from .methods.twist import refit_subnet_, twist_extract
     from .models import load_model
     from .sites import find_sites
 
@@ -174,11 +175,13 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
         with clock.stage(f"TwIST: one random subnet at kappa {R // 2}/{R}"):
             shared = 2 if n_layers >= 8 else 0  # TwIST's default keeps the first and last 2 layers whole
             sub = twist_extract(model, keep=R // 2, blocks=R, seed=0, shared_first=shared, shared_last=shared)
+            cut = ppl(sub)
+            refit_subnet_(sub, model, calib, progress=False)
             rows.append({"method": "TwIST subnet", "what": f"random subnet, {R // 2} of {R} MLP chunks and half the KV "
-                         "groups "
-                         f"(first / last {shared} layers whole), of the pretrained model", "params": params(sub),
-                         "ppl": ppl(sub), "note": "not TwIST-trained: see docs/twist.md for what training buys",
-                         "data": "none (TwIST's extraction takes no data)",
+                         f"groups (first / last {shared} layers whole), of the pretrained model; its narrowed MLPs' "
+                         "down and attention's output projections refit", "params": params(sub),
+                         "ppl": ppl(sub), "note": f"not TwIST-trained (docs/twist.md); {cut:,.0f} before the refit",
+                         "data": seen + ", sequential (the subnet itself is drawn without data)",
                          "folder": save(sub, work / "twist", tokenizer=tok)})
             del sub
 

@@ -130,9 +130,6 @@ def run_extract(args) -> dict:
     if args.calib_data and args.layerwise:
         raise MLPSurgeryError("--calib-data refits the subnet with the whole model in memory, which --layerwise does "
                               "not hold: drop one of them")
-    if args.calib_data and args.parts == "attn":
-        raise MLPSurgeryError("--calib-data refits the narrowed MLPs' down projections, and --parts attn narrows no "
-                              "MLP: drop one of them")
     _free_out(args.out, args.overwrite, [args.dir, args.calib_data])
     if args.layerwise:
         return _extract_layerwise(args)
@@ -159,7 +156,7 @@ def run_extract(args) -> dict:
     if calib is not None:
         from ..methods.twist import refit_subnet_
 
-        stage(args, f"refitting the narrowed MLPs on {calib.numel():,} calibration tokens")
+        stage(args, f"refitting the narrowed projections on {calib.numel():,} calibration tokens")
         refit = refit_subnet_(new, loaded.model, calib, progress=progress(args))
     stage(args, f"saving to {args.out}")
     save(new, args.out, tokenizer=loaded.tokenizer, overwrite=args.overwrite, inputs=[args.dir, args.calib_data])
@@ -202,10 +199,17 @@ def render_extract(r: dict) -> str:
 
 
 def _refit_line(errors: dict, where: str) -> str:
-    """The summary line of a refit's {layer: {"error_before", "error_after"}} (twist extract, prune --refit)."""
-    mean = {k: sum(e[k] for e in errors.values()) / len(errors) for k in ("error_before", "error_after")}
-    return (f"  down projections of {len(errors)} narrowed MLPs refit {where}: relative output error "
-            f"{mean['error_before']:.3f} -> {mean['error_after']:.3f} (mean over layers)")
+    """The summary lines of a refit's {layer: {"error_before", "error_after", "attention": {...}}} (twist extract,
+    prune --refit): the narrowed MLPs' down projections, the narrowed attention's output projections."""
+    lines = []
+    for what, parts in (("down projections of {} narrowed MLPs", [e for e in errors.values() if "error_after" in e]),
+                        ("output projections of {} attention layers with heads cut",
+                         [e["attention"] for e in errors.values() if "attention" in e])):
+        if parts:
+            mean = {k: sum(e[k] for e in parts) / len(parts) for k in ("error_before", "error_after")}
+            lines.append(f"  {what.format(len(parts))} refit {where}: relative output error "
+                         f"{mean['error_before']:.3f} -> {mean['error_after']:.3f} (mean over layers)")
+    return "\n".join(lines)
 
 
 # ---- prune ------------------------------------------------------------------------------------------
@@ -222,9 +226,9 @@ def run_prune(args) -> dict:
     if pattern is not None and args.method not in ("magnitude", "wanda", "sparsegpt"):
         raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
                               "(which removes whole blocks: use --sparsity)")
-    if args.refit and (args.method not in ("fisher", "random") or args.layerwise or args.parts == "attn"):
-        raise MLPSurgeryError("--refit refits the down projections of the MLPs that fisher / random narrowed, with the "
-                              "whole model: it needs --method fisher or random, --parts ffn or both, and no --layerwise")
+    if args.refit and (args.method not in ("fisher", "random") or args.layerwise):
+        raise MLPSurgeryError("--refit refits the projections that fisher / random narrowed, with the whole model: it "
+                              "needs --method fisher or random and no --layerwise")
     _free_out(args.out, args.overwrite, [args.model, args.data])
     check_max_memory(args)
     if args.layerwise:
@@ -246,7 +250,7 @@ def run_prune(args) -> dict:
     if args.refit:  # the closed-form compensation, on what the pruned layers before each produce
         from ..methods.reconstruct.layer import refit_narrowed_
 
-        stage(args, f"refitting the narrowed MLPs on {blocks.numel():,} calibration tokens")
+        stage(args, f"refitting the narrowed projections on {blocks.numel():,} calibration tokens")
         errors = refit_narrowed_(model, loaded.model, blocks, what=f"{args.method} pruning at this sparsity",
                                  progress=progress(args))
         report["refit"] = {str(i): e for i, e in errors.items()}
@@ -397,8 +401,8 @@ def register(sub, groups) -> None:
     p.add_argument("--shared-last", type=integer(0), help="last layers kept whole (default: as trained, else 2)")
     p.add_argument("--no-rescale", action="store_true", help="do not fold sqrt(N_full/N_sub) into the projections")
     p.add_argument("--calib-data", help="calibration text (file, folder, table, austen; self: sampled from the "
-                   "model): the narrowed MLPs' down "
-                   "projections refit in sequence to the original's outputs (default: none, the paper's no-data cut)")
+                   "model): the narrowed MLPs' down projections and the narrowed attention's output projections "
+                   "refit in sequence to the original's outputs (default: none, the paper's no-data cut)")
     p.add_argument("--calib-blocks", type=integer(1), default=CALIB_BLOCKS,
                    help=f"calibration blocks of --calib-len tokens ({CALIB_BLOCKS})")
     p.add_argument("--calib-len", type=integer(2), default=CALIB_LEN, help=f"tokens per calibration block ({CALIB_LEN})")
@@ -427,8 +431,9 @@ def register(sub, groups) -> None:
                    "r8; self: sampled from the model, whole model only; a mix self+austen (default: austen, as layer by "
                    "layer)")
     p.add_argument("--refit", action="store_true",
-                   help="fisher / random: then refit each narrowed MLP's down projection by least squares to the "
-                        "original's output, layer after layer on the calibration text (the closed-form compensation)")
+                   help="fisher / random: then refit each narrowed MLP's down projection (and each narrowed "
+                        "attention's output projection) by least squares to the original's output, layer after layer "
+                        "on the calibration text (the closed-form compensation)")
     p.add_argument("--calib-blocks", type=integer(1), default=16, help="calibration blocks (16)")
     p.add_argument("--block-len", type=integer(2), default=128, help="tokens per calibration block (128)")
     p.add_argument("--blocks", type=integer(1), default=12, help="R for fisher / random: MLP chunks per layer (12)")

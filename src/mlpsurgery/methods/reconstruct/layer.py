@@ -122,17 +122,23 @@ def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True) -> li
 
 def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: list[int],
                  progress: bool = False, local_epochs: float = 0.0, local_lr: float | None = None,
-                 seed: int = 0) -> dict[int, dict]:
+                 seed: int = 0, attn_layers=()) -> dict[int, dict]:
     """Refit, in sequence, the down projection of each chosen (narrowed) MLP of `model`, a compressed copy of
     `original`, to the original MLP's output on the inputs `model` itself produces there (sequential calibration):
     the compensation for a compressor that narrows without data (Fisher blocks, a random subnet). In place; returns
     each layer's relative output error before and after on its calibration inputs. local_epochs > 0: each layer is
     then tuned on its rows toward the original sub-block's output (local.py) before the next is calibrated; its
-    record under "local"."""
+    record under "local". attn_layers: the layers whose attention `model` holds with heads cut out, each one's
+    output projection refit first (attention.py), in the same walk; their errors under {layer: {"attention": ...}}."""
     from ...sites import find_sites
+    from .attention import refit_output_
     from .sequential import sequential
 
     sites, originals = find_sites(model), find_sites(original)
+    attention: dict[int, dict] = {}
+
+    def attn_work(i: int, c: Tensor, y: Tensor) -> None:
+        attention[i] = refit_output_(sites.attn[i], c, y)
 
     def work(i: int, x: Tensor) -> dict:
         site, target = sites.mlp[i], originals.mlp[i].read()
@@ -150,19 +156,28 @@ def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: l
             info["local"] = tune_local_(site, x, goal, local_epochs, local_lr or LOCAL_LR, seed=seed + i)
         return info
 
-    return sequential(model, calib, layers, work, progress=progress, desc="refit")
+    fitted = sequential(model, calib, layers, work, progress=progress, desc="refit", attn_layers=attn_layers,
+                        attn_work=attn_work, original=original)
+    for i, info in attention.items():
+        fitted.setdefault(i, {})["attention"] = info
+    return fitted
 
 
 def refit_narrowed_(model: nn.Module, original: nn.Module, calib: Tensor, what: str = "the model",
                     progress: bool = False) -> dict[int, dict]:
     """`refit_model_` on every MLP that `model` (a narrowed copy of `original`: a cut-out subnet, pruned blocks) has
-    narrower than `original` has it. Returns {layer: {"error_before", "error_after"}}; refused when `what` narrowed
-    none (there is no down projection to refit)."""
+    narrower than `original` has it, and on every attention it holds with fewer heads (its output projection).
+    Returns {layer: {"error_before", "error_after"}} for the MLPs and {layer: {"attention": {...}}} for the attention
+    (both where both were narrowed); refused when `what` narrowed neither (there is nothing to refit)."""
     from ...sites import find_sites
+    from .attention import narrowed_attention
 
     new, old = find_sites(model), find_sites(original)
     layers = [s.index for s in new.mlp if s.h < old.mlp[s.index].h]
-    if not layers:
-        raise MLPSurgeryError(f"{what} narrowed no MLP: there is no down projection to refit; drop the refit")
-    fitted = refit_model_(model, original, calib, layers, progress=progress)
-    return {i: {k: fitted[i][k] for k in ("error_before", "error_after")} for i in layers}
+    heads = narrowed_attention(model, original)
+    if not layers and not heads:
+        raise MLPSurgeryError(f"{what} narrowed no MLP and cut no attention head: there is nothing to refit; drop "
+                              "the refit")
+    fitted = refit_model_(model, original, calib, layers, progress=progress, attn_layers=heads)
+    keys = ("error_before", "error_after", "attention")
+    return {i: {k: fitted[i][k] for k in keys if k in fitted[i]} for i in sorted(fitted)}

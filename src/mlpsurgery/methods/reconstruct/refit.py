@@ -51,25 +51,40 @@ def refit_stats(new: MLPWeights, target: MLPWeights, x: Tensor, y: Tensor | None
     """The sums of `RefitStats` for the narrowed MLP `new` against `target` (the original MLP) on MLP inputs x (n, d),
     or against the given output rows y (n, d). dtype: of each chunk's products (summed in float64 across chunks;
     float32 is several times faster for a wide MLP, at float32's rounding within a chunk of CHUNK rows)."""
-    k, d = new.h, new.d
-    y_rows = y
+    def chunks():
+        for s in range(0, len(x), CHUNK):
+            xs = x[s:s + CHUNK]
+            yield new.inner(xs.to(new.up)), (target(xs.to(target.up)) if y is None else y[s:s + CHUNK])
+
+    with torch.no_grad():
+        return _sums(chunks(), new.h, new.d, dtype)
+
+
+def stats_of_rows(a: Tensor, y: Tensor, dtype: torch.dtype = torch.float64) -> RefitStats:
+    """The sums of `RefitStats` for given input rows a (n, k) of a linear map and its target output rows y (n, d):
+    the same least squares for any linear map refit to what it should output (attention's output projection on the
+    kept heads' outputs, attention.py)."""
+    with torch.no_grad():
+        return _sums(((a[s:s + CHUNK], y[s:s + CHUNK]) for s in range(0, len(a), CHUNK)), a.shape[1], y.shape[1],
+                     dtype)
+
+
+def _sums(pairs, k: int, d: int, dtype: torch.dtype) -> RefitStats:
     G = torch.zeros(k, k, dtype=torch.float64)
     AY = torch.zeros(k, d, dtype=torch.float64)
     a_sum = torch.zeros(k, dtype=torch.float64)
     y_sum = torch.zeros(d, dtype=torch.float64)
-    yy = 0.0
-    with torch.no_grad():
-        for s in range(0, len(x), CHUNK):
-            xs = x[s:s + CHUNK]
-            a = new.inner(xs.to(new.up)).to(dtype).cpu()
-            y = (target(xs.to(target.up)) if y_rows is None else y_rows[s:s + CHUNK]).to(dtype).cpu()
-            G += (a.T @ a).double()
-            AY += (a.T @ y).double()
-            a_sum += a.double().sum(0)
-            y64 = y.double()
-            y_sum += y64.sum(0)
-            yy += float((y64 * y64).sum())
-    return RefitStats(G, AY, a_sum, y_sum, yy, len(x))
+    yy, n = 0.0, 0
+    for a, y in pairs:
+        a, y = a.to(dtype).cpu(), y.to(dtype).cpu()
+        G += (a.T @ a).double()
+        AY += (a.T @ y).double()
+        a_sum += a.double().sum(0)
+        y64 = y.double()
+        y_sum += y64.sum(0)
+        yy += float((y64 * y64).sum())
+        n += len(a)
+    return RefitStats(G, AY, a_sum, y_sum, yy, n)
 
 
 def solve_down(stats: RefitStats, bias: bool, ridge: float = RIDGE) -> tuple[Tensor, Tensor | None]:

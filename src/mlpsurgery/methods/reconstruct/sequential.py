@@ -21,11 +21,16 @@ from tqdm.auto import tqdm
 
 from ...errors import MLPSurgeryError
 from ...sites import find_sites
+from .attention import output_rows_hooks
 from .local import subblock_rows
 
 
 class _Stop(Exception):
     pass
+
+
+def _stop(*_):
+    raise _Stop
 
 
 def record_layer_inputs(model: nn.Module, blocks: Tensor, last: int, batch_size: int = 8):
@@ -64,19 +69,30 @@ def record_layer_inputs(model: nn.Module, blocks: Tensor, last: int, batch_size:
 
 def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callable[..., object],
                batch_size: int = 8, progress: bool = True, desc: str = "calibrating",
-               reference: bool = False) -> dict[int, object]:
+               reference: bool = False, attn_layers=(), attn_work: Callable[..., object] | None = None,
+               original: nn.Module | None = None) -> dict[int, object]:
     """For each chosen layer i in order, `work(i, x)` with x (n_tokens, d) float32 the residual stream entering layer
     i's MLP sub-block on the calibration `blocks` (N, T), as the model -- its chosen layers before i already changed by
     `work` -- produces it. Returns {i: what work returned}. The model is in eval mode and without grad meanwhile.
 
     reference: also run the original model's stream beside it (every layer before it is changed) and call
     `work(i, x, x_ref, y_ref)` with x_ref the original's rows at the same place and y_ref what the original sub-block
-    adds to them, so that work can fit the layer to where the original stream goes, not only to what its MLP does."""
+    adds to them, so that work can fit the layer to where the original stream goes, not only to what its MLP does.
+
+    attn_layers, attn_work, original: for each of attn_layers (in the same walk, before the layer's MLP rows are
+    taken), `attn_work(i, c, y)` with c the rows the attention's output projection reads and y what `original`'s
+    attention (the same layer of the unchanged model) gives out of its output projection on the same inputs
+    (attention.py); so a changed attention is in place before its layer's MLP and the layers after are calibrated."""
     if blocks.dim() != 2 or len(blocks) == 0:
         raise MLPSurgeryError(f"calibration blocks must be a non-empty (N, T) tensor of token ids, got "
                               f"{tuple(blocks.shape)}")
     sites = find_sites(model)
-    chosen = sorted(set(layers))
+    attn_chosen = set(attn_layers)
+    if attn_chosen and (attn_work is None or original is None):
+        raise MLPSurgeryError("attention layers to calibrate need attn_work and the original model")
+    targets = find_sites(original) if attn_chosen else None
+    chosen = sorted(set(layers) | attn_chosen)
+    mlp_chosen = set(layers)
     was_training = model.training
     model.eval()
     results: dict[int, object] = {}
@@ -106,8 +122,27 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
             for j in range(chosen[-1] + 1):
                 ref_rows: list[Tensor] = []
                 if ref_hidden is not None:  # the original stream through the layer before work changes it
-                    ref_hidden = run(j, ref_hidden, rows_hook(ref_rows) if j in chosen else None)
-                if j in chosen:
+                    ref_hidden = run(j, ref_hidden, rows_hook(ref_rows) if j in mlp_chosen else None)
+                if j in attn_chosen:
+                    c_rows: list[Tensor] = []
+                    y_rows: list[Tensor] = []
+                    handles = output_rows_hooks(sites.attn[j], targets.attn[j], c_rows, y_rows)
+                    handles.append(sites.attn[j].o_proj.register_forward_hook(_stop))  # the rest of the layer waits
+                    try:
+                        for b, h in enumerate(hidden):
+                            args, kwargs = calls[j][b]
+                            try:
+                                decoder[j](h, *args, **kwargs)
+                            except _Stop:
+                                pass
+                    finally:
+                        for handle in handles:
+                            handle.remove()
+                    attn_work(j, torch.cat(c_rows), torch.cat(y_rows))
+                    del c_rows, y_rows
+                    if j not in mlp_chosen:
+                        bar.update(1)
+                if j in mlp_chosen:
                     rows: list[Tensor] = []
                     run(j, hidden, rows_hook(rows))
                     extra = ()

@@ -1,6 +1,6 @@
 """Deployment: one random subnet cut out as a physically smaller dense model, the activation shift folded into
-its output projections (no data, no search); optionally its narrowed MLPs' down projections refit on calibration text
-(`refit_subnet_`)."""
+its output projections (no data, no search); optionally its narrowed MLPs' down projections and its narrowed attention's
+output projections refit on calibration text (`refit_subnet_`)."""
 
 from __future__ import annotations
 
@@ -96,13 +96,15 @@ def twist_extract(model: nn.Module, keep: int, blocks: int | None = None, parts:
 
 def refit_subnet_(subnet: nn.Module, original: nn.Module, calib: torch.Tensor, progress: bool = True) -> dict:
     """The closed-form compensation of a cut-out subnet (as every width-reducing method of the package has): the down
-    projection of each MLP the subnet narrowed refit by ridge least squares, layer after layer, to the original MLP's
-    output on the inputs the subnet itself produces there (methods/reconstruct/layer.py `refit_model_`, sequential
-    calibration on `calib`, (N, T) token ids). In place. Attention keeps its cut-out heads as they are (their output
-    projection is not refit). Returns {layer: relative output error before / after} and records the refit."""
+    projection of each MLP the subnet narrowed, and the output projection of each attention it holds with fewer
+    heads, refit by ridge least squares, layer after layer, to the original's output there on the inputs the subnet
+    itself produces (methods/reconstruct/layer.py `refit_model_`, attention.py; sequential calibration on `calib`,
+    (N, T) token ids). In place. Returns {layer: relative output error before / after} (the attention's under
+    "attention") and records the refit."""
     from ..reconstruct.layer import refit_narrowed_
 
-    errors = refit_narrowed_(subnet, original, calib, what="the subnet (parts 'attn'?)", progress=progress)
-    record(subnet, "twist-refit", {"layers": list(errors)}, calib_tokens=int(calib.numel()),
-           calib_blocks=list(calib.shape))
+    errors = refit_narrowed_(subnet, original, calib, what="the subnet", progress=progress)
+    record(subnet, "twist-refit", {"layers": list(errors),
+                                   "attention": [i for i, e in errors.items() if "attention" in e]},
+           calib_tokens=int(calib.numel()), calib_blocks=list(calib.shape))
     return errors
