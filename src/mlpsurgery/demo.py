@@ -9,8 +9,8 @@ measured on the same held-out text, each written as a folder that stock transfor
 3. MLP Fusion at half the MLP width (the later two thirds of the layers), against neuron pruning at the same width,
    both calibrated (each layer on what the compressed layers before it produce: neurons clustered / scored on their
    activations there, the down projection refit).
-4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks and half the KV groups, its narrowed projections
-   refit on the calibration text (the pretrained model was not TwIST-trained, so this shows the deployment step;
+4. TwIST: one random subnet at kappa = 6/12 of the MLP chunks and the KV groups, its narrowed projections refit on
+   the calibration text (the pretrained model was not TwIST-trained, so this shows the deployment step;
    docs/twist.md has what training buys).
 5. DLR-Lock of a few layers (a short phase 1), with the training-step peak memory against the original.
 Then every written folder is loaded with `transformers.AutoModelForCausalLM.from_pretrained` (with
@@ -176,10 +176,11 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
             shared = 2 if n_layers >= 8 else 0  # TwIST's default keeps the first and last 2 layers whole
             sub = twist_extract(model, keep=R // 2, blocks=R, seed=0, shared_first=shared, shared_last=shared)
             cut = ppl(sub)
+            kv = (find_sites(sub).attn[shared].n_kv, find_sites(model).attn[shared].n_kv)
             refit_subnet_(sub, model, calib, progress=False)
-            rows.append({"method": "TwIST subnet", "what": f"random subnet, {R // 2} of {R} MLP chunks and half the KV "
-                         f"groups (first / last {shared} layers whole), of the pretrained model; its narrowed MLPs' "
-                         "down and attention's output projections refit", "params": params(sub),
+            rows.append({"method": "TwIST subnet", "what": f"random subnet, {R // 2} of {R} MLP chunks and {kv[0]} of "
+                         f"{kv[1]} KV groups (first / last {shared} layers whole), of the pretrained model; its narrowed "
+                         "MLPs' down and attention's output projections refit", "params": params(sub),
                          "ppl": ppl(sub), "note": f"not TwIST-trained (docs/twist.md); {cut:,.0f} before the refit",
                          "data": seen + ", sequential (the subnet itself is drawn without data)",
                          "folder": save(sub, work / "twist", tokenizer=tok)})
