@@ -1,9 +1,10 @@
 """Issue 45, session 30: what refitting the output projection of attention with heads cut out adds to the refit of the
 narrowed MLPs' down projections (methods/reconstruct/attention.py), on random TwIST subnets of the pretrained
 SmolLM2 (layers 2-27, seeds 0 and 1; no TwIST training): the cut as it is, the MLPs refit alone, the MLPs and the
-attention refit (`twist extract --calib-data`, `refit_subnet_`). Parts: both (6 of 12 MLP chunks and
-TwIST's share of the KV groups at kappa 6/12, as the demo cuts) and attn (the attention alone). Perplexity on the first TOKENS
-held-out Persuasion tokens; calibration BLOCKS x 128 Austen train tokens (256 = the default 32k; the demo: 64, 1024).
+attention refit (`twist extract --calib-data`, `refit_subnet_`). Parts: both (6 of 12 MLP chunks and TwIST's share
+of the KV groups at kappa 6/12, 2 of 3, as the demo cuts) and attn (the attention alone). Perplexity on the first
+TOKENS held-out Persuasion tokens; calibration BLOCKS x 128 Austen train tokens (256 = the default 32k; the demo: 64,
+1024). Rows are appended to the JSON file as they finish; a rerun resumes, and refuses a file of other settings.
 
     BLOCKS=256 TOKENS=2048 python benchmarks/notes/twist_attention_refit.py runs/twist-attn-refit.json
 
@@ -27,6 +28,8 @@ torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 BLOCKS, TOKENS = int(os.environ.get("BLOCKS", "256")), int(os.environ.get("TOKENS", "2048"))
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/twist-attn-refit.json")
 rows = json.loads(out.read_text()) if out.exists() else []  # a rerun resumes
+if any((r["blocks"], r["tokens"]) != (BLOCKS, TOKENS) for r in rows):
+    raise SystemExit(f"{out} holds rows of other settings than BLOCKS={BLOCKS} TOKENS={TOKENS}: give another file")
 done = {(r["parts"], r["seed"], r["refit"]) for r in rows}
 loaded = load_model(None)
 model = loaded.model
