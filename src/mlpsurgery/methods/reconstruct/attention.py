@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ...sites import AttnSite
-from .refit import RIDGE, fit_error, solve_down, stats_of_rows
+from .refit import RIDGE, refit_linear, stats_of_rows
 
 
 def refit_output_(site: AttnSite, c: Tensor, y: Tensor, ridge: float = RIDGE) -> dict:
@@ -24,16 +24,11 @@ def refit_output_(site: AttnSite, c: Tensor, y: Tensor, ridge: float = RIDGE) ->
     reads, y (n, d) what the original attention's output projection gave on the same inputs. Returns the relative
     output error before and after on those rows."""
     w = site.read()
-    d = w.o.shape[0]
-    stats = stats_of_rows(c, y)
-    before = fit_error(stats, w.o.reshape(d, -1), w.o_bias)
-    O, b = solve_down(stats, w.o_bias is not None, ridge)
-    after = fit_error(stats, O, b)
-    if after > before:  # cannot happen with ridge -> 0; with a large ridge keep what was there
-        return {"error_before": before, "error_after": before, "refit": False}
-    site.write(dataclasses.replace(w, o=O.reshape(w.o.shape).to(w.o),
-                                   o_bias=None if b is None else b.to(w.o_bias)))
-    return {"error_before": before, "error_after": after, "refit": True}
+    O, b, info = refit_linear(stats_of_rows(c, y), w.o.reshape(w.o.shape[0], -1), w.o_bias, ridge)
+    if O is not None:
+        site.write(dataclasses.replace(w, o=O.reshape(w.o.shape).to(w.o),
+                                       o_bias=None if b is None else b.to(w.o_bias)))
+    return info
 
 
 def output_rows_hooks(site: AttnSite, original: AttnSite, c_rows: list, y_rows: list) -> list:

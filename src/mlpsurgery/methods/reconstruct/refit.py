@@ -115,16 +115,25 @@ def fit_error(stats: RefitStats, D: Tensor, b: Tensor | None) -> float:
     return max(err, 0.0) / max(stats.yy, 1e-300)
 
 
+def refit_linear(stats: RefitStats, weight: Tensor, bias: Tensor | None,
+                 ridge: float = RIDGE) -> tuple[Tensor | None, Tensor | None, dict]:
+    """The ridge least-squares replacement (float64) of a linear map (weight (d, k), bias or None) from its sums, and
+    the relative output error before and after; (None, None, info) where the fit is no better (cannot happen with
+    ridge -> 0; with a large ridge the map stays as it was)."""
+    before = fit_error(stats, weight, bias)
+    W, b = solve_down(stats, bias is not None, ridge)
+    after = fit_error(stats, W, b)
+    if after > before:
+        return None, None, {"error_before": before, "error_after": before, "refit": False}
+    return W, b, {"error_before": before, "error_after": after, "refit": True}
+
+
 def refit_down(new: MLPWeights, target: MLPWeights, x: Tensor, ridge: float = RIDGE,
                y: Tensor | None = None) -> tuple[MLPWeights, dict]:
     """`new` with its down projection (and down bias, where it has one) refit to `target`'s outputs on MLP inputs x
     (or to the rows y). Returns the weights (in new's dtype and device) and the relative output error on x before and
     after."""
-    stats = refit_stats(new, target, x, y)
-    before = fit_error(stats, new.down, new.down_bias)
-    D, b = solve_down(stats, new.down_bias is not None, ridge)
-    after = fit_error(stats, D, b)
-    if after > before:  # cannot happen with ridge -> 0; with a large ridge keep what was there
-        return new, {"error_before": before, "error_after": before, "refit": False}
-    out = dataclasses.replace(new, down=D.to(new.down), down_bias=None if b is None else b.to(new.down))
-    return out, {"error_before": before, "error_after": after, "refit": True}
+    D, b, info = refit_linear(refit_stats(new, target, x, y), new.down, new.down_bias, ridge)
+    if D is None:
+        return new, info
+    return dataclasses.replace(new, down=D.to(new.down), down_bias=None if b is None else b.to(new.down)), info

@@ -101,17 +101,24 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
         ref_hidden = list(hidden) if reference else None
         decoder = sites.layers()
 
-        def run(j: int, states: list[Tensor], hook=None) -> list[Tensor]:
-            handle = None if hook is None else sites.mlp[j].entry.register_forward_pre_hook(hook)
+        def run(j: int, states: list[Tensor], hook=None, stop: nn.Module | None = None) -> list[Tensor]:
+            """Layer j over every batch of states (hook: a pre-hook on its MLP's entry); stop: the layer's pass ends
+            after that module (nothing is returned then)."""
+            handles = [] if hook is None else [sites.mlp[j].entry.register_forward_pre_hook(hook)]
+            if stop is not None:
+                handles.append(stop.register_forward_hook(_stop))
             try:
                 out = []
                 for b, h in enumerate(states):
                     args, kwargs = calls[j][b]
-                    y = decoder[j](h, *args, **kwargs)
+                    try:
+                        y = decoder[j](h, *args, **kwargs)
+                    except _Stop:
+                        continue
                     out.append(y[0] if isinstance(y, (tuple, list)) else y)
                 return out
             finally:
-                if handle is not None:
+                for handle in handles:
                     handle.remove()
 
         def rows_hook(into: list):
@@ -127,14 +134,8 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
                     c_rows: list[Tensor] = []
                     y_rows: list[Tensor] = []
                     handles = output_rows_hooks(sites.attn[j], targets.attn[j], c_rows, y_rows)
-                    handles.append(sites.attn[j].o_proj.register_forward_hook(_stop))  # the rest of the layer waits
-                    try:
-                        for b, h in enumerate(hidden):
-                            args, kwargs = calls[j][b]
-                            try:
-                                decoder[j](h, *args, **kwargs)
-                            except _Stop:
-                                pass
+                    try:  # the pass ends at the output projection: the rest of the layer waits for the refit
+                        run(j, hidden, stop=sites.attn[j].o_proj)
                     finally:
                         for handle in handles:
                             handle.remove()
