@@ -268,6 +268,37 @@ def test_layerwise_nesting_equals_whole_model_bit_for_bit(tmp_path, arch):
     assert lw["projections"] == len([m for m in loaded.model.modules() if type(m).__name__ == "NestedLinear"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "phi3"])
+@pytest.mark.parametrize("epochs, refit", [(0.0, True), (2.0, False), (2.0, True)])
+def test_refit_and_tuned_nesting_layer_by_layer_writes_the_whole_model_folder(tmp_path, arch, epochs, refit):
+    """nest --refit / --local-epochs layer by layer: the calibration stream goes on through each nested, refit, tuned
+    layer, so the folder is the whole-model one bit for bit (the same per-layer code on the same rows), and it is
+    not the plain whitened start's."""
+    from mlpsurgery.io import history
+    from mlpsurgery.methods.nsn import NSNConfig, nest
+    from mlpsurgery.methods.nsn.layerwise import nest_layerwise
+
+    src = saved_checkpoint(tmp_path, arch)
+    calib = torch.randint(3, 250, (12, 24), generator=torch.Generator().manual_seed(0))
+    cfg = NSNConfig(layers="all")
+    loaded = load_model(src)
+    nest(loaded.model, cfg, calib_data=calib, local_epochs=epochs, local_lr=1e-3, refit=refit, seed=3)
+    save(loaded.model, tmp_path / "whole")
+    lw = nest_layerwise(src, tmp_path / "lw", cfg, progress=False, calib_data=calib, local_epochs=epochs,
+                        local_lr=1e-3, refit=refit, seed=3)
+    ja = assert_same_folders(tmp_path / "whole", tmp_path / "lw", keys=("source", "dtype", "model_class", "modules"))
+    a, b = (history(load(tmp_path / d))[-1]["provenance"] for d in ("whole", "lw"))
+    for p in (a, b):  # what the tuning took differs from run to run; everything else is the same
+        p.get("local", {}).pop("seconds", None)
+    assert a == b and ja["modules"]
+    assert "sequential" in lw["init"] and ("down refit" in lw["init"]) == refit
+    assert ("local" in lw) == (epochs > 0) and lw.get("local", {}).get("layers") in (None, 2)
+    plain = tmp_path / "plain"
+    nest_layerwise(src, plain, cfg, progress=False, calib_data=calib)
+    x, y = file_tensors(tmp_path / "lw"), file_tensors(plain)
+    assert any(not torch.equal(x[k], y[k]) for k in x if k in y)
+
+
 def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     from mlpsurgery.cli import main
     from mlpsurgery.tiny import byte_tokenizer
@@ -292,6 +323,17 @@ def test_cli_nest_layerwise_equals_the_whole_model_command(tmp_path, capsys):
     a, b = file_tensors(tmp_path / "whole-w"), file_tensors(tmp_path / "lw")
     assert any(not torch.equal(a[k], b[k]) for k in a)  # and not the plain SVD's
     assert not any((tmp_path / x).exists() for x in ("x1", "x2"))
+    # the sequential start (down refit, local tuning) layer by layer: the whole-model command's folder; the rows
+    # are asked for by name, as the whitened start's
+    for opt in (["--refit"], ["--local-epochs", "1"]):
+        assert main([*common, *opt, "--layerwise", "--out", str(tmp_path / "x3")]) == 2
+        assert "drop --data-free" in capsys.readouterr().err
+    fit = [*white, "--refit", "--local-epochs", "1"]
+    assert main([*fit, "--out", str(tmp_path / "whole-f")]) == 0
+    assert main([*fit, "--layerwise", "--out", str(tmp_path / "lw-f")]) == 0
+    capsys.readouterr()
+    assert_same_folders(tmp_path / "whole-f", tmp_path / "lw-f", keys=("source", "dtype", "model_class", "modules"))
+    assert not (tmp_path / "x3").exists()
 
 
 # ---- NSN rank export (nest rank --layerwise) ------------------------------------------------------------

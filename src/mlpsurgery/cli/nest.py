@@ -95,10 +95,13 @@ def run_nest(args) -> dict:
         curriculum_end=args.curriculum_end, log_var_lr=args.log_var_lr, train=args.train,
         fit=FitConfig(steps=args.train_steps, lr=args.lr, seed=args.seed))
     for flag, given, does in (("--local-epochs", args.local_epochs, "tunes"), ("--refit", args.refit, "refits")):
-        if given and (args.layerwise or args.data_free or parallel.launched()):
-            what = "--layerwise" if args.layerwise else "--data-free" if args.data_free else "torchrun"
-            raise MLPSurgeryError(f"{flag} {does} each nested MLP on calibration rows in one process with the model "
-                                  f"in memory, which {what} does not give: drop {what} or {flag}")
+        if given and (args.data_free or parallel.launched()):
+            what = "--data-free" if args.data_free else "torchrun"
+            raise MLPSurgeryError(f"{flag} {does} each nested MLP on calibration rows in one process, which {what} "
+                                  f"does not give: drop {what} or {flag}")
+        if given and args.layerwise and not args.calib_data:
+            raise MLPSurgeryError(f"{flag} {does} each nested MLP on calibration rows, which layer by layer are asked "
+                                  "for by name: give --calib-data (e.g. austen), or drop --layerwise")
     if args.layerwise:
         return _nest_layerwise(args, cfg)
     device = device_of(args)
@@ -137,7 +140,8 @@ def _nest_layerwise(args, cfg) -> dict:
     stage(args, f"nesting {source} layer by layer into {args.out}")
     out = nest_layerwise(folder, args.out, cfg, dtype=working_dtype(), tokenizer=tok,
                          overwrite=args.overwrite, inputs=[model, args.calib_data], source_name=name,
-                         progress=progress(args), device=layer_device(args), calib_data=calib)
+                         progress=progress(args), device=layer_device(args), calib_data=calib,
+                         local_epochs=args.local_epochs, local_lr=args.local_lr, refit=args.refit, seed=args.seed)
     return {"action": "train", "model": source, **out}
 
 

@@ -117,6 +117,75 @@ def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     return {"error_before": before, "error_after": after}
 
 
+def check_tuned(cfg, epochs: float, refit: bool, fractions=FRACTIONS) -> None:
+    """Refuse a tuned or refit nesting this configuration cannot have (before anything is read or written)."""
+    if cfg.modules != "mlp":
+        what = "local tuning trains" if epochs > 0 else "the down refit fits"
+        raise MLPSurgeryError(f"{what} each MLP sub-block toward the original's output: nest --modules mlp with it "
+                              "(the attention projections have no such target here)")
+    if not fractions or any(not 0 < f for f in fractions):
+        raise MLPSurgeryError(f"the tuning fractions must be positive FLOPs fractions, not {list(fractions)}")
+
+
+def tune_layer_(model: nn.Module, cfg, i: int, x: Tensor, epochs: float, lr: float | None = None,
+                fractions=FRACTIONS, seed: int = 0, refit: bool = False) -> dict:
+    """One chosen layer of `nest_tuned` (steps 2-3 of the module docstring), in place, on the residual rows x entering
+    its MLP sub-block: nested with the whitened start on x, its down projection refit at every rank of its trained set
+    (refit), then tuned at every rank at once (epochs > 0). The layer is left at its stream rank (the middle of the
+    trained ranks: what the next layer is calibrated on); the caller puts it back at its maximum rank. Returns its
+    report row. The whole-model walk (`nest_tuned`) and the layer-by-layer one (layerwise.py) both run it."""
+    from .surgery import layer_slots, nest_layer
+
+    site = find_sites(model).mlp[i]
+    slots = layer_slots(model, cfg, i)
+    target = site.read() if refit else None  # the original MLP, before its projections are nested
+    moments, goal = _moments_and_goal(site, slots, x)
+    nest_layer(model, cfg, i, moments)
+    del moments
+    nested = [s.module for s in layer_slots(model, cfg, i)]
+    ranks = layer_ranks(nested, fractions)
+    fitted = {}
+    if refit:
+        fitted = {"refit": refit_down_nested_(site, nested, target, x, ranks)}
+        nested = [s.module for s in layer_slots(model, cfg, i)]
+    settings = [lambda r=r: rank_all(nested, r) for r in ranks]
+    info = tune_local_(site, x, goal, epochs, lr or NSN_LOCAL_LR, seed=seed + i, settings=settings)
+    stream = ranks[len(ranks) // 2]
+    rank_all(nested, stream)
+    return {"layer": i, "ranks": ranks, "stream_rank": stream, **info, **fitted}
+
+
+def at_max_rank(model: nn.Module, cfg, i: int) -> None:
+    """Every nested projection of layer i back at its maximum rank, as `nest` leaves them."""
+    from .surgery import layer_slots
+
+    for s in layer_slots(model, cfg, i):
+        s.module.rank = s.module.max_rank
+
+
+def tuned_report(rows: list[dict], epochs: float, lr: float | None, fractions, cfg) -> dict:
+    """`nest_tuned`'s report from its layers' rows (in layer order)."""
+    return {"layers": rows, "epochs": epochs, "lr": lr or NSN_LOCAL_LR, "fractions": list(fractions),
+            "config": asdict(cfg), "steps": sum(r.get("steps", 0) for r in rows),
+            "seconds": sum(r.get("seconds", 0.0) for r in rows)}
+
+
+def tuned_provenance(report: dict, epochs: float, refit: bool) -> dict:
+    """What `nest` records of a tuned or refit nesting beside its config: how it was started (`init`), and the
+    summaries of the tuning ("local") and of the refit ("refit")."""
+    init = "whitened svd, sequential" + (", down refit at every rank" if refit else "") + \
+        (", multi-rank local tuning" if epochs > 0 else "")
+    extra: dict = {"init": init}
+    if epochs > 0:
+        summary = {k: report[k] for k in ("epochs", "lr", "fractions", "steps", "seconds")}
+        summary["layers_kept"] = sum(bool(r.get("kept")) for r in report["layers"])
+        summary["layers"] = len(report["layers"])
+        extra["local"] = summary
+    if refit:
+        extra["refit"] = {"exact_at_max_rank": False, "layers": len(report["layers"])}
+    return extra
+
+
 def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | None = None,
                fractions=FRACTIONS, progress: bool = False, seed: int = 0, batch_size: int = 8,
                refit: bool = False) -> dict:
@@ -125,45 +194,17 @@ def nest_tuned(model: nn.Module, cfg, calib: Tensor, epochs: float, lr: float | 
     layer's down projection refit at every rank of its trained set before the tuning (`refit_down_nested_`);
     epochs may then be 0 (the closed form alone)."""
     from ..reconstruct.sequential import sequential
-    from .surgery import layer_slots, nest_layer
 
-    if cfg.modules != "mlp":
-        what = "local tuning trains" if epochs > 0 else "the down refit fits"
-        raise MLPSurgeryError(f"{what} each MLP sub-block toward the original's output: nest --modules mlp with it "
-                              "(the attention projections have no such target here)")
-    if not fractions or any(not 0 < f for f in fractions):
-        raise MLPSurgeryError(f"the tuning fractions must be positive FLOPs fractions, not {list(fractions)}")
-    sites = find_sites(model)
-    layers = parse_layers(cfg.layers, len(sites))
+    check_tuned(cfg, epochs, refit, fractions)
+    layers = parse_layers(cfg.layers, len(find_sites(model)))
     if not layers:
         return {"layers": []}
-    rows: dict[int, dict] = {}
 
-    def work(i: int, x: Tensor) -> None:
-        site = sites.mlp[i]
-        slots = layer_slots(model, cfg, i)
-        target = site.read() if refit else None  # the original MLP, before its projections are nested
-        moments, goal = _moments_and_goal(site, slots, x)
-        nest_layer(model, cfg, i, moments)
-        del moments
-        nested = [s.module for s in layer_slots(model, cfg, i)]
-        ranks = layer_ranks(nested, fractions)
-        fitted = {}
-        if refit:
-            fitted = {"refit": refit_down_nested_(site, nested, target, x, ranks)}
-            nested = [s.module for s in layer_slots(model, cfg, i)]
-        settings = [lambda r=r: rank_all(nested, r) for r in ranks]
-        info = tune_local_(site, x, goal, epochs, lr or NSN_LOCAL_LR, seed=seed + i, settings=settings)
-        stream = ranks[len(ranks) // 2]
-        rank_all(nested, stream)  # the next layer is calibrated on what this one gives at the stream rank
-        rows[i] = {"layer": i, "ranks": ranks, "stream_rank": stream, **info, **fitted}
+    def work(i: int, x: Tensor) -> dict:  # the next layer is calibrated on what this one gives at the stream rank
+        return tune_layer_(model, cfg, i, x, epochs, lr, fractions, seed, refit)
 
     desc = "nest + local tuning" if epochs > 0 else "nest + down refit" if refit else "nest (sequential)"
-    sequential(model, calib, layers, work, batch_size=batch_size, progress=progress, desc=desc)
-    for i in layers:  # every nested projection back at its maximum rank, as `nest` leaves them
-        for s in layer_slots(model, cfg, i):
-            s.module.rank = s.module.max_rank
-    return {"layers": [rows[i] for i in layers], "epochs": epochs, "lr": lr or NSN_LOCAL_LR,
-            "fractions": list(fractions), "config": asdict(cfg),
-            "steps": sum(r.get("steps", 0) for r in rows.values()),
-            "seconds": sum(r.get("seconds", 0.0) for r in rows.values())}
+    rows = sequential(model, calib, layers, work, batch_size=batch_size, progress=progress, desc=desc)
+    for i in layers:
+        at_max_rank(model, cfg, i)
+    return tuned_report([rows[i] for i in layers], epochs, lr, fractions, cfg)

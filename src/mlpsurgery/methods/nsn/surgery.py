@@ -141,21 +141,11 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
         raise MLPSurgeryError(f"{done[0]} is already a NestedLinear: this model was nested before; change its rank "
                               "with set_rank / `mlpsurgery nest rank` instead")
     if local_epochs > 0 or refit:
-        from .local import nest_tuned
+        from .local import nest_tuned, tuned_provenance
 
         report = nest_tuned(model, cfg, calib_data, local_epochs, local_lr, progress=progress, seed=seed, refit=refit)
-        init = "whitened svd, sequential" + (", down refit at every rank" if refit else "") + \
-            (", multi-rank local tuning" if local_epochs > 0 else "")
-        extra = {}
-        if local_epochs > 0:
-            summary = {k: report[k] for k in ("epochs", "lr", "fractions", "steps", "seconds")}
-            summary["layers_kept"] = sum(bool(r.get("kept")) for r in report["layers"])
-            summary["layers"] = len(report["layers"])
-            extra["local"] = summary
-        if refit:
-            extra["refit"] = {"exact_at_max_rank": False, "layers": len(report["layers"])}
-        record(model, "nsn", asdict(cfg), projections=len(slots), calib_tokens=int(calib_data.numel()), init=init,
-               **extra)
+        record(model, "nsn", asdict(cfg), projections=len(slots), calib_tokens=int(calib_data.numel()),
+               **tuned_provenance(report, local_epochs, refit))
         return model
     moments = {}
     if calib_data is not None and slots:
