@@ -219,6 +219,28 @@ def test_layerwise_block_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, 
     assert torch.equal(ya[key], yb[key])
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3", "phi3"])
+@pytest.mark.parametrize("method", ["fisher", "random"])
+def test_layerwise_block_pruning_with_the_refit_equals_whole_model_bit_for_bit(tmp_path, arch, method):
+    """prune --refit --layerwise: the narrowed projections refit as the layers are written (the sequential walk's
+    own step on a calibration stream through the written layers) give prune + refit_narrowed_'s folder and errors."""
+    from mlpsurgery.methods.reconstruct.layer import refit_narrowed_
+
+    src = saved_checkpoint(tmp_path, arch)
+    data = _blocks()
+    original = load_model(src).model
+    new, _ = prune(original, method, 0.5, data=data, blocks=4, progress=False)
+    errors = refit_narrowed_(new, original, data)
+    save(new, tmp_path / "whole")
+    lw = block_prune_layerwise(src, tmp_path / "lw", method, 0.5, data=data, blocks=4, progress=False, refit=True)
+    _same_folders(tmp_path / "whole", tmp_path / "lw")
+    assert lw["refit"] == {str(i): e for i, e in errors.items()}
+    assert all(e["error_after"] < e["error_before"] for e in errors.values() if "error_after" in e)
+    with pytest.raises(MLPSurgeryError, match="nothing to refit"):  # nothing narrowed: refused, nothing written
+        block_prune_layerwise(src, tmp_path / "none", "random", 0.0, data=data, blocks=4, progress=False, refit=True)
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("arch,depth", [("llama", {"num_hidden_layers": 5}), ("gpt2", {"n_layer": 5})])
 def test_layerwise_fisher_on_some_layers_in_bfloat16_spilled_to_disk(tmp_path, arch, depth):
     """Layers 1 and 3 of 5 (the backward stops at the first chosen layer, whose input needs no gradient), MLP only,
@@ -262,6 +284,13 @@ def test_cli_prune_layerwise_fisher_and_random(tmp_path, capsys):
         assert out["layerwise"] and out["activations_on_disk"] == (method == "fisher")
         assert not (tmp_path / f"lw-{method}.work").exists()
         _same_folders(tmp_path / f"whole-{method}", tmp_path / f"lw-{method}")
+        # --refit: the narrowed projections refit on the same blocks, layer by layer as the whole command does
+        assert main([*common, "--refit", "--out", str(tmp_path / f"whole-fit-{method}")]) == 0
+        whole = json.loads(capsys.readouterr().out)
+        assert main([*common, "--refit", "--layerwise", "--out", str(tmp_path / f"lw-fit-{method}")]) == 0
+        lw = json.loads(capsys.readouterr().out)
+        assert lw["refit"] == whole["refit"] and sorted(int(i) for i in lw["refit"]) == [1, 2]
+        _same_folders(tmp_path / f"whole-fit-{method}", tmp_path / f"lw-fit-{method}")
     # a work folder holding the user's files is refused before anything is read or written
     (tmp_path / "x.work").mkdir()
     (tmp_path / "x.work" / "mine.txt").write_text("keep")

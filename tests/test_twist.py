@@ -236,6 +236,45 @@ def test_layerwise_extraction_writes_what_the_whole_model_one_writes(arch, ids, 
     assert torch.equal(outputs(load(tmp_path / "lw"), ids), outputs(whole, ids))
 
 
+def _same_refit_folders(a_dir, b_dir):
+    """The same tensors and history (the refit's entry last)."""
+    from conftest import file_tensors
+    from mlpsurgery.io import MANIFEST
+
+    a, b = file_tensors(a_dir), file_tensors(b_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ja, jb = (json.loads((d / MANIFEST).read_text()) for d in (a_dir, b_dir))
+    assert ja["history"] == jb["history"] and jb["history"][-1]["method"] == "twist-refit"
+
+
+@pytest.mark.parametrize("arch", SUBSET_ARCHS)
+def test_layerwise_extraction_with_the_refit_writes_what_the_whole_model_one_writes(arch, tmp_path):
+    """twist extract --calib-data --layerwise: the calibration stream through the subnet's layers as they are written,
+    each narrowed attention and MLP refit while its source layer is in memory (the sequential walk's own step), gives
+    the whole-model extraction + refit_subnet_ folder bit for bit, its errors and its history; and the refit changed
+    something."""
+    from mlpsurgery.methods.twist import refit_subnet_
+    from mlpsurgery.methods.twist.layerwise import extract_layerwise
+
+    save(four_layers(arch), tmp_path / "tw")
+    calib = torch.randint(3, 250, (10, 16), generator=torch.Generator().manual_seed(1))
+    kw = dict(keep=2, blocks=4, parts="both", attn_keep=1, shared_first=1, shared_last=0, seed=5)
+    original = load(tmp_path / "tw")
+    whole = twist_extract(original, **kw)
+    errors = refit_subnet_(whole, original, calib, progress=False)
+    save(whole, tmp_path / "whole")
+    r = extract_layerwise(tmp_path / "tw", tmp_path / "lw", progress=False, calib=calib, **kw)
+    _same_refit_folders(tmp_path / "whole", tmp_path / "lw")
+    assert r["refit"] == {"calibration": [10, 16], "layers": errors}
+    assert any("attention" in e for e in errors.values()) and any("error_after" in e for e in errors.values())
+    from conftest import file_tensors
+
+    plain = tmp_path / "plain"
+    extract_layerwise(tmp_path / "tw", plain, progress=False, **kw)
+    b, c = file_tensors(tmp_path / "lw"), file_tensors(plain)
+    assert any(not torch.equal(b[k], c[k]) for k in b)
+
+
 @pytest.mark.parametrize("arch,parts", [("qwen3", "both"), ("gpt2", "ffn")])  # (GPT-2's config cannot state fewer heads)
 def test_layerwise_uniform_subnet_in_bfloat16_is_a_plain_transformers_model(arch, parts, ids, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -517,10 +556,18 @@ def test_cli_train_extract(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "output projections of 1 attention layers with heads cut refit" in out
     assert "down projections" not in out
+    # layer by layer: the same refit folder (the blocks flow through the subnet's layers as they are written); text
+    # sampled from the model cannot be had without the whole model
+    code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "sub-fit-lw"),
+                 "--calib-data", str(text), "--calib-blocks", "4", "--calib-len", "32", "--layerwise", "--json",
+                 "--quiet"])
+    lw = json.loads(capsys.readouterr().out)
+    assert code == 0 and lw["refit"] == json.loads(json.dumps(fit["refit"]))
+    _same_refit_folders(tmp_path / "sub-fit", tmp_path / "sub-fit-lw")
     code = main(["twist", "extract", str(tmp_path / "tw"), "--keep", "1", "--out", str(tmp_path / "x-fit"),
-                 "--calib-data", str(text), "--layerwise"])
+                 "--calib-data", "self", "--layerwise"])
     err = capsys.readouterr().err
-    assert code == 2 and "--layerwise" in err and err.count("\n") == 1 and not (tmp_path / "x-fit").exists()
+    assert code == 2 and "self" in err and err.count("\n") == 1 and not (tmp_path / "x-fit").exists()
     # refused, exit 2, nothing written: a model without files, a folder holding pruning masks
     from mlpsurgery.methods.pruning import prune
 

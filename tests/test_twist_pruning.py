@@ -145,7 +145,7 @@ def test_prune_cli(tmp_path, capsys):
 def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blocks(tmp_path, capsys, method):
     """prune --refit: the same blocks as without it, each narrowed MLP's down projection refit (its error falls), with
     --parts attn each narrowed attention's output projection; refused (one line, exit 2, nothing written) for the
-    unstructured methods and --layerwise."""
+    unstructured methods (layer by layer too; tests/test_layerwise.py has the layer-by-layer refit)."""
     from mlpsurgery.cli import main
     from mlpsurgery.io import load
     from mlpsurgery.sites import find_sites
@@ -171,7 +171,7 @@ def test_prune_refit_lowers_every_narrowed_layers_error_and_keeps_the_chosen_blo
     assert sorted(int(i) for i in r["refit"]) == list(range(n))
     assert all(set(e) == {"attention"} and e["attention"]["error_after"] < e["attention"]["error_before"]
                for e in r["refit"].values()), r["refit"]
-    for extra, m in ((["--layerwise"], method), ([], "sparsegpt")):
+    for extra, m in (([], "sparsegpt"), (["--layerwise"], "wanda")):
         code = main(["prune", "tiny:llama", "--method", m, "--sparsity", "0.5", "--refit", *extra,
                      "--out", str(tmp_path / "x")])
         err = capsys.readouterr().err

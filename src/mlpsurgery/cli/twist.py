@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..errors import MLPSurgeryError
 from ..report import human_bytes, human_count, plot_layers, plot_rounds, table
-from . import check_max_memory, command, device_of, draw, integer, layer_device, number, progress, stage
+from . import (calibration_blocks, check_max_memory, command, device_of, draw, integer, layer_device, number,
+               progress, stage)
 from ..methods.reconstruct import CALIB_BLOCKS, CALIB_LEN
 from .core import MODEL_HELP, _load
 
@@ -127,9 +128,6 @@ def run_extract(args) -> dict:
     from ..methods.twist import twist_extract
     from ..models import load_model
 
-    if args.calib_data and args.layerwise:
-        raise MLPSurgeryError("--calib-data refits the subnet with the whole model in memory, which --layerwise does "
-                              "not hold: drop one of them")
     _free_out(args.out, args.overwrite, [args.dir, args.calib_data])
     if args.layerwise:
         return _extract_layerwise(args)
@@ -138,12 +136,12 @@ def run_extract(args) -> dict:
     loaded.model.to(device_of(args))
     calib = None
     if args.calib_data:
-        from ..data.sampled import calibration_blocks
+        from ..data.sampled import calibration_blocks as sampled_blocks
         from ..models import check_context
 
         check_context(loaded.model, args.calib_len)
         stage(args, f"reading and tokenising the calibration data {args.calib_data}")
-        calib = calibration_blocks(args.calib_data, loaded.model, loaded.require_tokenizer(), args.calib_len,
+        calib = sampled_blocks(args.calib_data, loaded.model, loaded.require_tokenizer(), args.calib_len,
                                    args.calib_blocks, seed=args.seed, progress=progress(args))
     before = count_params(loaded.model)
     stage(args, f"cutting out the subnet of seed {args.seed}")
@@ -177,11 +175,18 @@ def _extract_layerwise(args) -> dict:
 
     layer_device(args, on_device=False, what="twist extract")
     folder, _, name = checkpoint_folder(args.dir)
+    tokenizer = _tokenizer(folder)
+    calib = None
+    if args.calib_data:  # the refit layer by layer: the blocks flow through the subnet's layers as they are written
+        from ..models import check_context, read_config
+
+        check_context(read_config(folder), args.calib_len)
+        calib = calibration_blocks(args, tokenizer, folder, "the refit")
     r = extract_layerwise(folder, args.out, keep=args.keep, blocks=args.blocks, parts=args.parts,
                           attn_keep=args.attn_keep, shared_first=args.shared_first, shared_last=args.shared_last,
                           seed=args.seed, rescale=not args.no_rescale, dtype=working_dtype(),
-                          tokenizer=_tokenizer(folder), overwrite=args.overwrite, inputs=[args.dir],
-                          source_name=name, progress=progress(args))
+                          tokenizer=tokenizer, overwrite=args.overwrite, inputs=[args.dir, args.calib_data],
+                          source_name=name, progress=progress(args), calib=calib)
     return {"out": args.out, "from": args.dir, "seed": args.seed, **r}
 
 
@@ -226,9 +231,9 @@ def run_prune(args) -> dict:
     if pattern is not None and args.method not in ("magnitude", "wanda", "sparsegpt"):
         raise MLPSurgeryError(f"--pattern applies to magnitude, wanda and sparsegpt, not {args.method} "
                               "(which removes whole blocks: use --sparsity)")
-    if args.refit and (args.method not in ("fisher", "random") or args.layerwise):
-        raise MLPSurgeryError("--refit refits the projections that fisher / random narrowed, with the whole model: it "
-                              "needs --method fisher or random and no --layerwise")
+    if args.refit and args.method not in ("fisher", "random"):
+        raise MLPSurgeryError("--refit refits the projections that fisher / random narrowed: it needs --method fisher "
+                              "or random")
     _free_out(args.out, args.overwrite, [args.model, args.data])
     check_max_memory(args)
     if args.layerwise:
@@ -287,7 +292,7 @@ def _prune_layerwise(args, pattern) -> dict:
         check_out(args.out, args.overwrite, inputs=[args.model, args.data, work])
         check_state(work, inputs=[args.model, args.data, args.out], what="work")
     blocks = None
-    if args.method in ("wanda", "sparsegpt", "fisher"):
+    if args.method in ("wanda", "sparsegpt", "fisher") or args.refit:
         refuse_layer_by_layer(args.data, "--data")
         if tokenizer is None:
             raise MLPSurgeryError(f"{folder} has no tokenizer files, which the calibration text needs")
@@ -300,7 +305,7 @@ def _prune_layerwise(args, pattern) -> dict:
                   progress=progress(args))
     if args.method in BLOCKS:
         report = block_prune_layerwise(folder, args.out, args.method, args.sparsity, blocks=args.blocks,
-                                       seed=args.seed, spill_dir=work, **common)
+                                       seed=args.seed, spill_dir=work, refit=args.refit, **common)
     else:
         report = prune_layerwise(folder, args.out, args.method, args.sparsity, pattern=pattern, device=device,
                                  **common)

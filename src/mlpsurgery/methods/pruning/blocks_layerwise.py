@@ -49,18 +49,20 @@ def block_prune_layerwise(folder: str | Path, out: str | Path, method: str, spar
                           blocks: int = 12, seed: int = 0, batch_size: int = 4, dtype=None,
                           max_memory_gb: float | None = None, spill_dir: str | Path | None = None, tokenizer=None,
                           overwrite: bool = False, inputs=(), source_name: str | None = None,
-                          progress: bool = True) -> dict:
+                          progress: bool = True, refit: bool = False) -> dict:
     """`prune(model, method, sparsity, ...)` then `save` for the structured methods, one layer in memory at a time;
     returns prune's report. spill_dir: a new folder (or one of ours) where Fisher's activations go past max_memory_gb,
-    made, marked and removed here."""
+    made, marked and removed here. refit: the narrowed projections refit on `data` as they are written
+    (`twist.layerwise.write_subnet`; what `prune` + `refit_narrowed_` give), the errors under "refit"."""
     from ..twist import make_layout
     from ..twist.extraction import deployment
     from ..twist.layerwise import write_subnet
 
     if method not in METHODS:
         raise MLPSurgeryError(f"block pruning layer by layer is {', '.join(METHODS)}, not {method!r}")
-    if method == "fisher" and (data is None or data.dim() != 2 or len(data) == 0):
-        raise MLPSurgeryError("Fisher block pruning needs calibration blocks: a non-empty (N, T) tensor of token ids "
+    if (method == "fisher" or refit) and (data is None or data.dim() != 2 or len(data) == 0):
+        what = "Fisher block pruning" if method == "fisher" else "the refit"
+        raise MLPSurgeryError(f"{what} needs calibration blocks: a non-empty (N, T) tensor of token ids "
                               "(--data and --calib-blocks on the command line)")
     if method == "fisher" and max_memory_gb is not None and spill_dir is None:
         raise MLPSurgeryError("a memory cap for Fisher pruning layer by layer needs a folder for the activations it "
@@ -95,14 +97,16 @@ def block_prune_layerwise(folder: str | Path, out: str | Path, method: str, spar
         report = {"method": "fisher", "parts": parts, **config,
                   "fisher": {f"{k[0]}.{k[1]}": v.tolist() for k, v in fisher.items()},
                   "error_inputs": FISHER_ERROR_INPUTS}
-    write_subnet(stream, out, layout, subnet, method == "random", entry, f"{method} blocks (layer by layer)",
-                 tokenizer=tokenizer, overwrite=overwrite, inputs=inputs, source_name=source_name,
-                 progress=progress)
+    fitted = write_subnet(stream, out, layout, subnet, method == "random", entry,
+                          f"{method} blocks (layer by layer)", tokenizer=tokenizer, overwrite=overwrite, inputs=inputs,
+                          source_name=source_name, progress=progress, calib=data if refit else None)
     after = _layer_sizes(model, parts, everything)
     report["per_layer"] = _per_layer({i: 1 - after[i] / before[i] if before[i] else 0.0 for i in everything}, errors)
     report.update({"layerwise": True, "dtype": str(stream.dtype).removeprefix("torch."),
                    "activations_on_disk": stream.disk, "params_before": t_before,
                    "params_after": count_params(model)["total"]})
+    if fitted is not None:
+        report["refit"] = {str(i): e for i, e in fitted.items()}
     return report
 
 

@@ -67,6 +67,39 @@ def record_layer_inputs(model: nn.Module, blocks: Tensor, last: int, batch_size:
     return hidden, calls
 
 
+def rows_hook(into: list):
+    """A pre-hook that appends its module's input rows (n, d) in float32 to `into`."""
+    return lambda mod, args: into.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+
+
+def walk_layer(j: int, run: Callable[..., object], sites, targets, attn: bool, mlp: bool,
+               work: Callable[..., object] | None, attn_work: Callable[..., object] | None, extra=()) -> object:
+    """One chosen layer j of the sequential walk, in place; `run(hook=, stop=)` runs the layer (as it is now) over
+    every calibration batch, with `hook` a pre-hook on its MLP's entry, ending each batch's pass after the module
+    `stop`. attn: `attn_work(j, c, y)` on the rows its attention's output projection reads and what `targets`' attention
+    (the original's) gives out of its output projection on the same calls (a pass that stops there: the rest of the
+    layer waits for the change); then mlp: `work(j, x, *extra)` on the residual rows entering its MLP sub-block, as
+    the changed attention gives them; returns what work returned (None without mlp). The whole-model walk
+    (`sequential`) and the layer-by-layer one (twist/layerwise.py) both run it."""
+    if attn:
+        c_rows: list[Tensor] = []
+        y_rows: list[Tensor] = []
+        handles = output_rows_hooks(sites.attn[j], targets.attn[j], c_rows, y_rows)
+        try:
+            run(stop=sites.attn[j].o_proj)
+        finally:
+            for handle in handles:
+                handle.remove()
+        attn_work(j, torch.cat(c_rows), torch.cat(y_rows))
+        del c_rows, y_rows
+    if not mlp:
+        return None
+    rows: list[Tensor] = []
+    run(hook=rows_hook(rows))
+    with torch.enable_grad():  # the work may fit (k-means, MMD) with autograd
+        return work(j, torch.cat(rows), *extra)
+
+
 def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callable[..., object],
                batch_size: int = 8, progress: bool = True, desc: str = "calibrating",
                reference: bool = False, attn_layers=(), attn_work: Callable[..., object] | None = None,
@@ -121,38 +154,22 @@ def sequential(model: nn.Module, blocks: Tensor, layers: list[int], work: Callab
                 for handle in handles:
                     handle.remove()
 
-        def rows_hook(into: list):
-            return lambda mod, args: into.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
-
         bar = tqdm(total=len(chosen), desc=desc, unit="layer", disable=not progress)
         with torch.no_grad():
             for j in range(chosen[-1] + 1):
                 ref_rows: list[Tensor] = []
                 if ref_hidden is not None:  # the original stream through the layer before work changes it
                     ref_hidden = run(j, ref_hidden, rows_hook(ref_rows) if j in mlp_chosen else None)
-                if j in attn_chosen:
-                    c_rows: list[Tensor] = []
-                    y_rows: list[Tensor] = []
-                    handles = output_rows_hooks(sites.attn[j], targets.attn[j], c_rows, y_rows)
-                    try:  # the pass ends at the output projection: the rest of the layer waits for the refit
-                        run(j, hidden, stop=sites.attn[j].o_proj)
-                    finally:
-                        for handle in handles:
-                            handle.remove()
-                    attn_work(j, torch.cat(c_rows), torch.cat(y_rows))
-                    del c_rows, y_rows
-                    if j not in mlp_chosen:
-                        bar.update(1)
-                if j in mlp_chosen:
-                    rows: list[Tensor] = []
-                    run(j, hidden, rows_hook(rows))
+                if j in attn_chosen or j in mlp_chosen:
                     extra = ()
-                    if ref_hidden is not None:
+                    if ref_hidden is not None and j in mlp_chosen:
                         x_ref = torch.cat(ref_rows)
                         extra = (x_ref, subblock_rows(sites.mlp[j], x_ref))
-                    with torch.enable_grad():  # the work may fit (k-means, MMD) with autograd
-                        results[j] = work(j, torch.cat(rows), *extra)
-                    del rows, ref_rows, extra
+                    got = walk_layer(j, lambda hook=None, stop=None: run(j, hidden, hook, stop), sites, targets,
+                                     j in attn_chosen, j in mlp_chosen, work, attn_work, extra)
+                    if j in mlp_chosen:
+                        results[j] = got
+                    del ref_rows, extra
                     bar.update(1)
                 if j == chosen[-1]:
                     break

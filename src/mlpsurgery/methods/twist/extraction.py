@@ -104,7 +104,12 @@ def refit_subnet_(subnet: nn.Module, original: nn.Module, calib: torch.Tensor, p
     from ..reconstruct.layer import refit_narrowed_
 
     errors = refit_narrowed_(subnet, original, calib, what="the subnet", progress=progress)
-    record(subnet, "twist-refit", {"layers": list(errors),
-                                   "attention": [i for i, e in errors.items() if "attention" in e]},
-           calib_tokens=int(calib.numel()), calib_blocks=list(calib.shape))
+    kind, config, provenance = refit_entry(errors, calib)
+    record(subnet, kind, config, **provenance)
     return errors
+
+
+def refit_entry(errors: dict, calib: torch.Tensor) -> tuple[str, dict, dict]:
+    """(kind, config, provenance) of the history entry of a subnet's refit (whole model and layer by layer)."""
+    return ("twist-refit", {"layers": list(errors), "attention": [i for i, e in errors.items() if "attention" in e]},
+            {"calib_tokens": int(calib.numel()), "calib_blocks": list(calib.shape)})
