@@ -247,6 +247,13 @@ def test_fusion_and_nesting_layer_by_layer_on_the_device_match_the_cpu(device, i
         man = [json.loads((tmp_path / f"{kind}-{n}" / "surgery.json").read_text()) for n in ("cpu", "dev")]
         assert man[1]["source"] == man[0]["source"], kind
     assert _rel(_out(load(tmp_path / "nest-dev"), ids), _out(load(tmp_path / "nest-cpu"), ids)) < 1e-4
+    # the sequential start with the down refit at every rank (a calibration stream through the nested layers), each
+    # layer's least squares on the device: the same model to float32 noise
+    for n, d in (("cpu", "cpu"), ("dev", device)):
+        nest_layerwise(src, tmp_path / f"refit-{n}", NSNConfig(), progress=False, device=d, calib_data=blocks,
+                       refit=True)
+    assert _rel(_out(load(tmp_path / "refit-dev"), ids), _out(load(tmp_path / "refit-cpu"), ids)) < 1e-3
+    assert _rel(_out(load(tmp_path / "refit-cpu"), ids), _out(load(tmp_path / "nest-cpu"), ids)) > 1e-3
 
 
 def test_dlr_lock_layer_by_layer_on_the_device_matches_the_cpu(device, tmp_path):

@@ -142,7 +142,7 @@ def run_extract(args) -> dict:
         check_context(loaded.model, args.calib_len)
         stage(args, f"reading and tokenising the calibration data {args.calib_data}")
         calib = sampled_blocks(args.calib_data, loaded.model, loaded.require_tokenizer(), args.calib_len,
-                                   args.calib_blocks, seed=args.seed, progress=progress(args))
+                               args.calib_blocks, seed=args.seed, progress=progress(args))
     before = count_params(loaded.model)
     stage(args, f"cutting out the subnet of seed {args.seed}")
     # without a refit the loaded model is not used again: given up layer by layer as the subnet is built

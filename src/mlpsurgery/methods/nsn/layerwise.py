@@ -50,6 +50,7 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
     down projection refit and / or tuned at every rank, and the stream goes on through it at its stream rank, so the
     next layer is calibrated on what the nested layers before it give. The folder is the whole-model one."""
     from ..pruning.calibrated import moment_hooks
+    from ..reconstruct.sequential import rows_hook
     from .local import at_max_rank, check_tuned, tune_layer_, tuned_provenance, tuned_report
 
     check_config(cfg)
@@ -78,8 +79,7 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
         nonlocal count
         if i in chosen:
             got: list[Tensor] = []
-            hook = sites.mlp[i].entry.register_forward_pre_hook(
-                lambda mod, args: got.append(args[0].detach().reshape(-1, args[0].shape[-1]).float()))
+            hook = sites.mlp[i].entry.register_forward_pre_hook(rows_hook(got))
             try:
                 stream.run(i, state["acts"], keep=False)
             finally:
