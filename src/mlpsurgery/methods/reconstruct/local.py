@@ -23,6 +23,8 @@ from ...errors import MLPSurgeryError
 LOCAL_LR = 3e-3  # Adam, cosine to zero; measured on SmolLM2 (docs/calibration.md)
 LOCAL_BATCH = 1024  # token rows per step
 CHUNK = 4096
+SETTING_POWER = 2  # several settings: each one's loss divided by its error before to this power (2: every
+# setting's relative improvement counts alike)
 
 
 def subblock_rows(site, x: Tensor) -> Tensor:
@@ -91,7 +93,7 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
         before = errors()
         # one setting: the plain relative error; several: each weighed by its start (an exact one, error 0, is held
         # near exact rather than divided by 0)
-        scale = [max(e, 1e-6) ** 2 for e in before] if settings else [1.0]
+        scale = [max(e, 1e-6) ** SETTING_POWER for e in before] if settings else [1.0]
         for p in params:
             p.requires_grad_(True)
         for p in frozen:
