@@ -86,38 +86,12 @@ def plan_widths(model, calib, uniform, step=budget.STEP, floor=budget.FLOOR, pro
         print(f"layer {i}: error at k0 {errs[k0[i]]:.3f}, at {lo[i]} {errs[lo[i]]:.3f}", file=sys.stderr, flush=True)
 
     budget.sequential(model, calib, layers, measure, progress=progress, desc="per-layer budget (svd): error curves")
-    was_training = model.training
-    model.eval()
-    rise = {}
-    try:
-        probe = budget._Probe(model, calib[:probe_blocks])
-        for i in layers:
-            site = sites.mlp[i]
-            kept = site.modules()
-            site.replace_mlp(narrowed[i])
-            try:
-                rise[i] = probe.distance()
-            finally:
-                site.set_modules(kept)
-    finally:
-        model.train(was_training)
+    rise = budget.loss_rises(model, calib[:probe_blocks], narrowed, progress)
 
     def err(i, k):
         return curves[i][hs[i] - k]
 
-    cost = {i: max(rise[i], 1e-9) / max(err(i, k0[i]), 1e-12) for i in layers}
-    width = dict(hs)
-    target = sum(k0.values())
-    while sum(width.values()) > target:
-        best, best_rate, best_n = None, math.inf, 0
-        for i in layers:
-            n = min(step, width[i] - lo[i], sum(width.values()) - target)
-            if n <= 0:
-                continue
-            rate = cost[i] * (err(i, width[i] - n) - err(i, width[i])) / n
-            if rate < best_rate:
-                best, best_rate, best_n = i, rate, n
-        width[best] -= best_n
+    width = budget.allocate(hs, k0, lo, rise, err, step)
     print("widths", {i: width[i] for i in layers}, file=sys.stderr, flush=True)
     print("rise", {i: round(rise[i], 4) for i in layers}, file=sys.stderr, flush=True)
     return [budget.LayerPlan(i, hs[i], width[i], k0[i], rise[i], err(i, k0[i]), err(i, width[i])) for i in layers]

@@ -118,12 +118,27 @@ def plan_widths(model: nn.Module, calib: Tensor, uniform: dict[int, int], step: 
     if all(k0[i] == hs[i] for i in layers):
         return [LayerPlan(i, hs[i], hs[i], hs[i], 0.0, 0.0, 0.0) for i in layers]
     sequential(model, calib, layers, measure, progress=progress, desc="per-layer budget: error curves")
+    rise = loss_rises(model, calib[:probe_blocks], narrowed, progress)
+
+    def err(i: int, k: int) -> float:
+        return curves[i][hs[i] - k]
+
+    width = allocate(hs, k0, lo, rise, err, step)
+    return [LayerPlan(i, hs[i], width[i], k0[i], rise[i], err(i, k0[i]), err(i, width[i])) for i in layers]
+
+
+def loss_rises(model: nn.Module, blocks: Tensor, narrowed: dict[int, nn.Module], progress: bool = True
+               ) -> dict[int, float]:
+    """{layer: how far the model's output moves (`_Probe`) on `blocks` with that layer's MLP alone replaced by
+    narrowed[layer]}; the model is left as it was."""
+    sites = find_sites(model)
     was_training = model.training
     model.eval()
     rise = {}
     try:
-        probe = _Probe(model, calib[:probe_blocks])
-        for i in tqdm(layers, desc="per-layer budget: each layer narrowed alone", unit="layer", disable=not progress):
+        probe = _Probe(model, blocks)
+        for i in tqdm(sorted(narrowed), desc="per-layer budget: each layer narrowed alone", unit="layer",
+                      disable=not progress):
             site = sites.mlp[i]
             kept = site.modules()
             site.replace_mlp(narrowed[i])
@@ -133,10 +148,15 @@ def plan_widths(model: nn.Module, calib: Tensor, uniform: dict[int, int], step: 
                 site.set_modules(kept)
     finally:
         model.train(was_training)
+    return rise
 
-    def err(i: int, k: int) -> float:
-        return curves[i][hs[i] - k]
 
+def allocate(hs: dict[int, int], k0: dict[int, int], lo: dict[int, int], rise: dict[int, float], err,
+             step: int = STEP) -> dict[int, int]:
+    """The widths (layer -> k) of total sum(k0) that the module docstring's rule gives: from every layer whole (hs),
+    `step` neurons at a time go where the cost rise[i] * (err(i, k) - err(i, k + n)) / err(i, k0[i]) per neuron is
+    least, never below lo[i]. err(i, k): layer i's error curve at width k."""
+    layers = sorted(hs)
     cost = {i: max(rise[i], 1e-9) / max(err(i, k0[i]), 1e-12) for i in layers}
     width = dict(hs)
     target = sum(k0.values())
@@ -152,4 +172,4 @@ def plan_widths(model: nn.Module, calib: Tensor, uniform: dict[int, int], step: 
         if best is None:
             raise MLPSurgeryError(f"internal: no layer can be narrowed further toward {target} neurons")
         width[best] -= best_n
-    return [LayerPlan(i, hs[i], width[i], k0[i], rise[i], err(i, k0[i]), err(i, width[i])) for i in layers]
+    return width

@@ -78,6 +78,16 @@ def refit_module_(module: nn.Module, target: MLPWeights, xin: Tensor, ridge: flo
     return info
 
 
+def refit_site_(site: MLPSite, target: MLPWeights, xin: Tensor, ridge: float = RIDGE) -> dict:
+    """Refit the down projection (and its bias) of the narrowed stock MLP at `site` in place to `target`'s output on
+    the MLP inputs xin (kept only where it fits better: refit.py). Returns the relative output error before and
+    after."""
+    fitted, info = refit_down(site.read(), target, xin, ridge)
+    if info["refit"]:
+        site.write(fitted)
+    return info
+
+
 def whitened_svd_(site: MLPSite, rank_of, xin: Tensor, refit: bool = True) -> list[dict]:
     """Replace each projection of the (stock) MLP at `site` by its whitened truncated SVD at rank rank_of(out, in),
     fitted on the MLP inputs xin; returns per projection its shape, rank and relative truncation error.
@@ -148,9 +158,7 @@ def refit_model_(model: nn.Module, original: nn.Module, calib: Tensor, layers: l
                 raise MLPSurgeryError(f"layer {i}: {type(site.module).__name__} has no down projection to refit")
             info = refit_module_(site.module, target, xin)
         else:
-            fitted, info = refit_down(site.read(), target, xin)
-            if info["refit"]:
-                site.write(fitted)
+            info = refit_site_(site, target, xin)
         if local_epochs > 0:
             goal = subblock_rows(originals.mlp[i], x)
             info["local"] = tune_local_(site, x, goal, local_epochs, local_lr or LOCAL_LR, seed=seed + i)

@@ -37,6 +37,7 @@ def extract_layerwise(folder: str | Path, out: str | Path, keep: int, blocks: in
     projections refit layer by layer on them (`write_subnet`), what `twist_extract` + `refit_subnet_` write; the
     errors under "refit"."""
     from .extraction import refit_entry
+
     stream = LayerStream(Path(folder), dtype=dtype)
     model = stream.model
     before = count_params(model)
@@ -74,9 +75,8 @@ def write_subnet(stream: LayerStream, out: str | Path, layout, subnet, rescale: 
     calls, then the down projection to the source MLP's output on the rows the refit attention gives), then the
     stream goes on through it. Returns {layer: errors} as `refit_narrowed_` does (None without calib);
     refit_entry(errors): (kind, config, provenance) of a second history entry for it, or None."""
-    from ..reconstruct.layer import mlp_inputs
     from ..reconstruct.attention import refit_output_
-    from ..reconstruct.refit import refit_down
+    from ..reconstruct.layer import mlp_inputs, refit_site_
     from ..reconstruct.sequential import _Stop, _stop, walk_layer
 
     model = stream.model
@@ -130,10 +130,7 @@ def write_subnet(stream: LayerStream, out: str | Path, layout, subnet, rescale: 
 
         def work(j: int, x: Tensor) -> None:
             site = new_sites.mlp[j]
-            fitted, info = refit_down(site.read(), old_sites.mlp[j].read(), mlp_inputs(site, x))
-            if info["refit"]:
-                site.write(fitted)
-            errors.setdefault(j, {}).update(info)
+            errors.setdefault(j, {}).update(refit_site_(site, old_sites.mlp[j].read(), mlp_inputs(site, x)))
 
         if i in mlps or i in heads:
             walk_layer(i, lambda hook=None, stop=None: run(i, dst, hook, stop), new_sites, old_sites, i in heads,
