@@ -1,5 +1,5 @@
 """Issue 45, tried in session 31: NSN's multi-rank local tuning with the low ranks weighed more. Each rank's loss is
-divided by its error before tuning to the power SETTING_POWER (reconstruct/local.py; 2, the default, makes every rank's
+divided by its error before tuning to the power SETTING_POWER (reconstruct/local.py; 2, the default until session 31, makes every rank's
 relative improvement count alike); with 1 a rank weighs in proportion to its error, so the low ranks, whose errors are
 largest, pull harder -- the question is whether that closes NSN's gap to the fixed-rank SVD at 33% of the FLOPs
 (134.11 against 112.16) without losing the top ranks.

@@ -23,8 +23,10 @@ from ...errors import MLPSurgeryError
 LOCAL_LR = 3e-3  # Adam, cosine to zero; measured on SmolLM2 (docs/calibration.md)
 LOCAL_BATCH = 1024  # token rows per step
 CHUNK = 4096
-SETTING_POWER = 2  # several settings: each one's loss divided by its error before to this power (2: every
-# setting's relative improvement counts alike)
+SETTING_POWER = 1  # several settings: each one's loss divided by its error before to this power. 2 would make every
+# setting's relative improvement count alike; 1 lets a setting weigh in proportion to its error, so the low ranks of a
+# nested MLP (the largest errors) pull harder: SmolLM2, 20 layers, 8 epochs, 75/50/33% of the FLOPs 55.74/80.34/134.11
+# with 2, 55.77/79.59/130.68 with 1 (docs/frontier.md, benchmarks/notes/prototype_nsn_rank_weights.py)
 
 
 def subblock_rows(site, x: Tensor) -> Tensor:
@@ -47,9 +49,10 @@ def tune_local_(site, x: Tensor, ref: Tensor, epochs: float, lr: float = LOCAL_L
     error on every 8th row before and after (the closed-form weights are restored if it rose).
 
     settings: several configurations of the same weights trained at once (a nested MLP at several ranks: each a
-    function that switches the MLP to it). Each step draws one uniformly and weighs its loss by 1 / its error before
-    tuning (squared), so that every setting's relative improvement counts alike (NSN's uncertainty weighting, with
-    the variances fixed at the start); the tuning is kept when the mean of those weighted errors fell. The errors are
+    function that switches the MLP to it). Each step draws one uniformly and divides its loss (the squared relative
+    error) by its error before tuning to the power SETTING_POWER (1: a setting weighs in proportion to its error, so
+    the worst ones pull harder; NSN's uncertainty weighting with the variances fixed at the start); the tuning is kept
+    when the mean of those weighted errors fell. The errors are
     then lists, one per setting, and the MLP is left in the last setting drawn: the caller chooses the one to keep."""
     if epochs < 0 or not math.isfinite(epochs):
         raise MLPSurgeryError(f"local tuning epochs must be a finite number >= 0, not {epochs}")
