@@ -114,6 +114,24 @@ def test_peak_memory_counts_weights_grads_and_adam_state():
     assert c.step_peak_bytes >= 4 * 4 * n  # weights + grads + two Adam moments, fp32
 
 
+def test_peaks_alone_equal_the_peaks_of_the_timed_measure():
+    """repeats=0: no timed pass, and the training step's peak still holds the optimizer's state (as a step in steady
+    state does), so the peaks are those the full measure takes; weights untouched; nothing to measure is refused."""
+    m = tiny_model("llama")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    batch = torch.randint(0, 256, (2, 16))
+    full = measure_cost(m, batch, repeats=1, warmup=0)
+    alone = measure_cost(m, batch, repeats=0, warmup=0)
+    assert alone.step_peak_bytes == full.step_peak_bytes and alone.forward_peak_bytes == full.forward_peak_bytes
+    assert math.isnan(alone.step_s) and math.isnan(alone.forward_s)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in m.parameters())
+    for kw in ({"repeats": 0, "warmup": 1}, {"repeats": 0, "warmup": 0, "memory": False}, {"repeats": -1}):
+        with pytest.raises(MLPSurgeryError, match="measure nothing"):
+            measure_cost(m, batch, **kw)
+
+
 def test_compare_identical_models_memory_ratio_is_one():
     a, b = tiny_model("qwen3"), tiny_model("qwen3")
     r = compare_cost(a, b, torch.randint(0, 256, (2, 16)), repeats=1)

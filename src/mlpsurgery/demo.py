@@ -194,7 +194,7 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
                             phase1_steps=60, phase1_tokens=256, phase2_steps=0, compile=False)
             rep = dlr_lock(d, train, train[:2], cfg, work / "dlr-work", progress=False)
             batch = corpus.blocks("train", 128, max_blocks=2, seed=1)
-            cost = compare_cost(model, d, batch, repeats=1, warmup=0)
+            cost = compare_cost(model, d, batch, repeats=0, warmup=0)  # the peaks alone
             factor = cost["ratio"]["step_peak_bytes"]
             rows.append({"method": "DLR-Lock", "what": f"MLPs of layers {chosen} -> DLR-Nets (rank 16, depth {rep.depth}), "
                          f"{cfg.phase1_steps} phase-1 steps + {cfg.onpolicy_count} on-policy", "params": params(d), "ppl": ppl(d),

@@ -8,6 +8,7 @@ dispatch-level tracker that sees every tensor storage the region allocates (meas
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -198,6 +199,7 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
     """Time and peak memory of inference and of one full training step on `batch` (B, T).
 
     The model's weights are restored afterwards (the probe's optimizer steps leave no trace).
+    repeats=0 (with warmup=0): the peak memories only, one pass each, no timed pass (the times are NaN).
     progress: a bar over the passes (a training step of a real model on the CPU takes seconds, and the
     tracked memory passes longer); it is updated between passes, never inside a timed one.
     """
@@ -205,6 +207,9 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
 
     device = next(model.parameters()).device
     batch = batch.to(device)
+    if repeats < 0 or warmup < 0 or (repeats == 0 and (warmup or not memory)):
+        raise MLPSurgeryError(f"cost: repeats {repeats} and warmup {warmup} measure nothing; give repeats >= 1, or "
+                              "repeats=0 and warmup=0 with memory for the peaks alone")
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise MLPSurgeryError("the model has no trainable parameters to measure a training step on")
@@ -262,6 +267,11 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
             bar.update(1)
         if memory:
             bar.set_postfix_str("training step peak memory")
+            if warmup + repeats == 0:  # a step in steady state holds the optimizer's state: make it without a pass
+                for p in trainable:  # (zero gradients; the weights are restored below)
+                    p.grad = torch.zeros_like(p)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         step_peak = _peak(device, lambda: step(False), (model, opt, batch)) if memory else 0
         bar.update(1 if memory else 0)
     finally:
@@ -274,7 +284,7 @@ def measure_cost(model: nn.Module, batch: Tensor, repeats: int = 3, warmup: int 
         model.train(was_training)
         if gradient_checkpointing and not gc_was:
             model.gradient_checkpointing_disable()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) if v else math.nan for k, v in times.items()}
     return Cost(device=str(device), batch=list(batch.shape), forward_s=med["fwd"], forward_peak_bytes=fwd_peak,
                 train_forward_s=med["tfwd"], backward_s=med["bwd"], optimizer_s=med["opt"],
                 step_s=med["tfwd"] + med["bwd"] + med["opt"], step_peak_bytes=step_peak,
@@ -305,7 +315,7 @@ def max_batch(model: nn.Module, seq_len: int, budget_bytes: int, vocab: int | No
 
     def peak(b: int) -> int:
         x = torch.randint(0, vocab, (b, seq_len), generator=g)
-        return measure_cost(model, x, repeats=1, warmup=0, loss_fn=loss_fn).step_peak_bytes
+        return measure_cost(model, x, repeats=0, warmup=0, loss_fn=loss_fn).step_peak_bytes
 
     b1, b2 = probe
     p1, p2 = peak(b1), peak(b2)
