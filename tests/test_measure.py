@@ -155,6 +155,25 @@ def test_max_batch_is_affine_and_consistent():
     assert at <= one * 3 * 1.02
 
 
+def test_max_batch_reads_the_line_past_the_optimizer_steps_plateau():
+    """A wide MLP on short sequences: the optimizer step's peak (flat in the batch) is the step's peak up to a batch
+    of about 8, so probes at 1 and 2 see almost no slope (they once answered a batch of millions). The answer must fit
+    the budget, and a few sequences more must not."""
+    m = tiny_model("llama", intermediate_size=2048, hidden_size=256)
+    budget = 100 * 2**20
+    r = max_batch(m, 16, budget_bytes=budget)
+    assert r["exact"] and 4 < r["max_batch"] < 1000, r
+
+    def at(b):
+        return measure_cost(m, torch.randint(0, 256, (b, 16)), repeats=0, warmup=0).step_peak_bytes
+
+    assert at(r["max_batch"]) <= budget < at(r["max_batch"] + 3)
+    small = max_batch(m, 16, budget_bytes=at(8))  # the budget passed before the line is seen: the largest fitted probe
+    assert not small["exact"] and small["max_batch"] == 8
+    with pytest.raises(MLPSurgeryError, match="probes"):
+        max_batch(m, 16, budget_bytes=budget, probe=(2, 2))
+
+
 def test_flops_follow_replaced_modules():
     m = tiny_model("llama")
     before = flops_per_token(m)["mlp"]

@@ -306,10 +306,13 @@ def compare_cost(reference: nn.Module, candidate: nn.Module, batch: Tensor, **kw
 
 
 def max_batch(model: nn.Module, seq_len: int, budget_bytes: int, vocab: int | None = None,
-              loss_fn: Callable = default_loss, probe=(1, 2)) -> dict:
-    """Largest batch whose training-step peak fits `budget_bytes`: the peak is affine in the batch size
-    (weights + optimizer state + batch x activations), so two probes fix the line; the answer is checked
-    by measuring at the predicted size."""
+              loss_fn: Callable = default_loss, probe=(1, 2), max_probe: int = 4096) -> dict:
+    """Largest batch whose training-step peak fits `budget_bytes`. The peak is the larger of the backward's (weights,
+    gradients, optimizer state and batch x activations: affine in the batch) and the optimizer step's (flat in it), so
+    for small batches it does not grow at all: two probes there would put the answer anywhere. The probes double from
+    `probe` until two successive pairs give the same slope, at least what one sequence must hold (`batch_bytes`: both on
+    the affine part), and the line fixes the answer;
+    where the budget is passed first, the answer is the largest probed batch that fitted (a bound, `exact` False)."""
     vocab = vocab or getattr(model.config, "vocab_size", 256)
     g = torch.Generator().manual_seed(0)
 
@@ -318,9 +321,27 @@ def max_batch(model: nn.Module, seq_len: int, budget_bytes: int, vocab: int | No
         return measure_cost(model, x, repeats=0, warmup=0, loss_fn=loss_fn).step_peak_bytes
 
     b1, b2 = probe
-    p1, p2 = peak(b1), peak(b2)
-    per_sample = (p2 - p1) / (b2 - b1)
-    fixed = p1 - per_sample * b1
-    best = int((budget_bytes - fixed) // per_sample) if per_sample > 0 else 0
+    if not 1 <= b1 < b2:
+        raise MLPSurgeryError(f"max batch: the probes must be two batch sizes 1 <= b1 < b2, not {probe}")
+    sizes, peaks = [b1, b2], [peak(b1), peak(b2)]
+    floor = batch_bytes(1, seq_len, model)  # what one more sequence holds at the least: below it, the flat part
+    exact = False
+    while True:
+        per_sample = (peaks[-1] - peaks[-2]) / (sizes[-1] - sizes[-2])
+        if len(sizes) >= 3 and per_sample >= floor:
+            before = (peaks[-2] - peaks[-3]) / (sizes[-2] - sizes[-3])
+            if abs(before - per_sample) <= 0.05 * per_sample:  # two pairs on one line: the affine part
+                exact = True
+                break
+        if peaks[-1] > budget_bytes or 2 * sizes[-1] > max_probe:
+            break
+        sizes.append(2 * sizes[-1])
+        peaks.append(peak(sizes[-1]))
+    fixed = peaks[-1] - per_sample * sizes[-1]
+    if exact:
+        best = int((budget_bytes - fixed) // per_sample)
+    else:
+        best = max([b for b, p in zip(sizes, peaks) if p <= budget_bytes], default=0)
     return {"budget_bytes": budget_bytes, "seq_len": seq_len, "fixed_bytes": int(fixed),
-            "per_sample_bytes": int(per_sample), "max_batch": max(best, 0)}
+            "per_sample_bytes": int(per_sample), "max_batch": max(best, 0), "exact": exact,
+            "probes": dict(zip(sizes, peaks))}
