@@ -51,12 +51,11 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
     next layer is calibrated on what the nested layers before it give. The folder is the whole-model one."""
     from ..pruning.calibrated import moment_hooks
     from ..reconstruct.sequential import rows_hook
-    from .local import at_max_rank, check_tuned, tune_layer_, tuned_provenance, tuned_report
+    from .local import at_max_rank, check_epochs, check_tuned, tune_layer_, tuned_provenance, tuned_report
 
     check_config(cfg)
     tuned = local_epochs > 0 or refit
-    if local_epochs != local_epochs or local_epochs < 0:
-        raise MLPSurgeryError(f"local tuning epochs must be a number >= 0, not {local_epochs}")
+    check_epochs(local_epochs)
     if tuned:
         if calib_data is None:
             raise MLPSurgeryError("the down refit and local tuning fit each nested MLP on calibration rows: give "

@@ -117,6 +117,12 @@ def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     return {"error_before": before, "error_after": after}
 
 
+def check_epochs(epochs: float) -> None:
+    """Refuse a number of local tuning epochs that is not a number >= 0 (whole model and layer by layer alike)."""
+    if epochs != epochs or epochs < 0:
+        raise MLPSurgeryError(f"local tuning epochs must be a number >= 0, not {epochs}")
+
+
 def check_tuned(cfg, epochs: float, refit: bool, fractions=FRACTIONS) -> None:
     """Refuse a tuned or refit nesting this configuration cannot have (before anything is read or written)."""
     if cfg.modules != "mlp":

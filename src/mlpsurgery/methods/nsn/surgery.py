@@ -124,10 +124,11 @@ def nest(model: nn.Module, cfg: NSNConfig | None = None, progress: bool = False,
     rank is then not the original MLP); with or without local tuning after it."""
     from tqdm.auto import tqdm
 
+    from .local import check_epochs
+
     cfg = cfg or NSNConfig()
     check_config(cfg)
-    if local_epochs != local_epochs or local_epochs < 0:
-        raise MLPSurgeryError(f"local tuning epochs must be a number >= 0, not {local_epochs}")
+    check_epochs(local_epochs)
     if local_epochs > 0 and calib_data is None:
         raise MLPSurgeryError("local tuning trains each nested MLP on calibration rows: give calibration data (drop "
                               "--data-free) or drop --local-epochs")
