@@ -491,6 +491,14 @@ def test_local_tuning_refusals(tmp_path, capsys):
         nsn.nest(copy_of(model), nsn.NSNConfig(modules="mlp+attn"), calib_data=calib, local_epochs=2)
     with pytest.raises(MLPSurgeryError, match=">= 0"):
         nsn.nest(copy_of(model), nsn.NSNConfig(), calib_data=calib, local_epochs=-1)
+    from mlpsurgery.io import save
+    from mlpsurgery.methods.nsn.layerwise import nest_layerwise
+
+    src = save(copy_of(model), tmp_path / "src")
+    for bad in (-1, float("nan")):  # layer by layer: the same check, before anything is written
+        with pytest.raises(MLPSurgeryError, match=">= 0"):
+            nest_layerwise(src, tmp_path / "lw", nsn.NSNConfig(), progress=False, calib_data=calib, local_epochs=bad)
+        assert not (tmp_path / "lw").exists()
     for extra in (["--data-free"], ["--layerwise"], ["--modules", "mlp+attn"]):
         out = tmp_path / "n"
         assert main(["nest", "tiny:llama", "--out", str(out), "--local-epochs", "2", *extra]) == 2
