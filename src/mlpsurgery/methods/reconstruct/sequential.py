@@ -67,9 +67,15 @@ def record_layer_inputs(model: nn.Module, blocks: Tensor, last: int, batch_size:
     return hidden, calls
 
 
-def rows_hook(into: list):
-    """A pre-hook that appends its module's input rows (n, d) in float32 to `into`."""
-    return lambda mod, args: into.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+def rows_hook(into: list, stop: bool = False):
+    """A pre-hook that appends its module's input rows (n, d) in float32 to `into`; stop: then ends the pass there
+    (raises `_Stop`, which the runners catch per batch), so nothing after the rows is computed for nothing."""
+    def hook(mod, args):
+        into.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        if stop:
+            raise _Stop
+
+    return hook
 
 
 def walk_layer(j: int, run: Callable[..., object], sites, targets, attn: bool, mlp: bool,
@@ -79,7 +85,7 @@ def walk_layer(j: int, run: Callable[..., object], sites, targets, attn: bool, m
     `stop`. attn: `attn_work(j, c, y)` on the rows its attention's output projection reads and what `targets`' attention
     (the original's) gives out of its output projection on the same calls (a pass that stops there: the rest of the
     layer waits for the change); then mlp: `work(j, x, *extra)` on the residual rows entering its MLP sub-block, as
-    the changed attention gives them; returns what work returned (None without mlp). The whole-model walk
+    the changed attention gives them (that pass ends at the MLP's entry: `run` must catch `_Stop` per batch); returns what work returned (None without mlp). The whole-model walk
     (`sequential`) and the layer-by-layer one (twist/layerwise.py) both run it."""
     if attn:
         c_rows: list[Tensor] = []
@@ -95,7 +101,7 @@ def walk_layer(j: int, run: Callable[..., object], sites, targets, attn: bool, m
     if not mlp:
         return None
     rows: list[Tensor] = []
-    run(hook=rows_hook(rows))
+    run(hook=rows_hook(rows, stop=True))  # the pass ends at the MLP's entry: its rows are all this pass is for
     with torch.enable_grad():  # the work may fit (k-means, MMD) with autograd
         return work(j, torch.cat(rows), *extra)
 
