@@ -55,6 +55,34 @@ def test_whitened_svd_is_exact_at_full_rank_and_each_prefix_is_the_best_of_its_r
             assert abs(err_white / total - float(expected[r])) < 1e-3
 
 
+@pytest.mark.parametrize("singular", [False, True])
+def test_the_cholesky_whitening_gives_the_factors_of_the_eigendecomposition(singular):
+    """Any S with S Sᵀ = C gives the same whitened factors; the Cholesky one (cheap) against the eigendecomposition's
+    Q Λ^½ with the same damping, and the eigendecomposition still taking a C that is not positive semi-definite."""
+    from mlpsurgery.methods.reconstruct.whiten import DAMP, whitening
+
+    W = torch.randn(30, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    X = _correlated(300, 48, rank=12 if singular else None)
+    C = X.T @ X / len(X)
+    S, S_inv = whitening(C)
+    floor = DAMP * float(torch.linalg.eigvalsh(C).clamp_min(0).mean())
+    damped = C + floor * torch.eye(48, dtype=C.dtype)
+    assert torch.allclose(S @ S.T, damped, atol=1e-10 * float(C.abs().max()))
+    assert torch.allclose(S @ S_inv, torch.eye(48, dtype=C.dtype), atol=1e-8)
+    assert torch.equal(S, S.tril())  # the Cholesky factor, not the fallback
+    lam, Q = torch.linalg.eigh(damped)
+    U, sig, Vh = torch.linalg.svd(W @ (Q * lam.sqrt()), full_matrices=False)
+    B, A, sig_c = whitened_factors(W, C)
+    assert torch.allclose(sig_c, sig, rtol=1e-9, atol=1e-12)
+    for r in (1, 6, 20, 30):  # the same rank-r product (the factors themselves only up to the SVD's signs)
+        eig_r = (U[:, :r] * sig[:r]) @ Vh[:r] @ ((Q / lam.sqrt()).T)
+        assert torch.allclose(B[:, :r] @ A[:r], eig_r, atol=1e-8)
+    bad = C - 2 * float(torch.linalg.eigvalsh(C).max()) * torch.outer(Q[:, 0], Q[:, 0])  # a clearly negative direction
+    S, S_inv = whitening(bad)
+    assert torch.isfinite(S).all() and torch.allclose(S @ S_inv, torch.eye(48, dtype=C.dtype), atol=1e-8)
+    assert not torch.equal(S, S.tril())  # Cholesky refused it; the eigendecomposition's clipped form was used
+
+
 def test_nest_with_calibration_is_exact_at_full_rank_nested_and_better_below_it(ids):
     model = tiny_model("llama")
     calib = _blocks()
@@ -159,7 +187,16 @@ def test_sequential_calibration_feeds_layer_i_what_the_changed_layers_before_it_
         change(model, i)
 
     reference = copy.deepcopy(model)
+    calls = {0: 0, 1: 0}
+    sites = find_sites(model)
+    hooks = [sites.mlp[i].exit.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i in calls]
     sequential(model, blocks, [0, 1], work, batch_size=4, progress=False)
+    for hook in hooks:
+        hook.remove()
+    # the pass that takes a layer's MLP rows ends at the MLP's entry: layer 0's MLP runs once per batch (the pass
+    # that carries the stream on), the last chosen layer's never
+    assert calls == {0: 2, 1: 0}, (arch, calls)
     for i in range(2):
         expect = copy.deepcopy(reference)
         for j in range(i):

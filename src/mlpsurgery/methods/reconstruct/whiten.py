@@ -5,10 +5,13 @@ A projection W (out, in) that sees inputs with second moment C = XᵀX / n (in, 
     ||(W - W') Xᵀ||² / n = tr((W - W') C (W - W')ᵀ) = ||(W - W') S||²_F        for any S with S Sᵀ = C,
 
 so the best rank-r W' is the truncated SVD of W S brought back by S⁻¹ (plain SVD is the special case C = I, the
-metric of inputs nobody sees). With C = Q Λ Qᵀ we take S = Q Λ^½ (Λ damped: a singular covariance, a dead input, or
-more dimensions than calibration rows never fail) and
+metric of inputs nobody sees). The product does not depend on which S: any other is S Q with Q orthogonal, whose
+SVD is U Σ (QᵀV)ᵀ, so the factors below are the same. We take the Cholesky factor S = L of the damped covariance
+C + δI (δ = damp · mean eigenvalue = damp · tr C / in: a singular covariance, a dead input, or more dimensions than
+calibration rows never fail), a few times cheaper than an eigendecomposition (the eigendecomposition remains the
+fallback should the factorisation still fail), and
 
-    W S = U Σ Vᵀ,    B = U Σ^½,    A = Σ^½ Vᵀ S⁻¹ = Σ^½ Vᵀ Λ^-½ Qᵀ,    W_r = B[:, :r] A[:r]
+    W S = U Σ Vᵀ,    B = U Σ^½,    A = Σ^½ Vᵀ S⁻¹,    W_r = B[:, :r] A[:r]
 
 The components stay ordered by Σ, so every rank is a prefix of the next (NSN's nesting holds) and at full rank
 B A = W S S⁻¹ = W exactly (up to float64 rounding), whatever the damping."""
@@ -22,11 +25,16 @@ DAMP = 1e-4  # relative to the mean eigenvalue: a floor for directions the calib
 
 
 def whitening(C: Tensor, damp: float = DAMP) -> tuple[Tensor, Tensor]:
-    """(S, S⁻¹) with S Sᵀ = C + damp·mean(eig C)·I, both (in, in) float64, from the eigendecomposition of C."""
+    """(S, S⁻¹) with S Sᵀ = C + damp·mean(eig C)·I, both (in, in) float64: S the lower Cholesky factor (the
+    eigendecomposition's Q Λ^½ where Cholesky fails, which a positive semi-definite C plus the damping never should)."""
     C = C.double()
     C = (C + C.T) / 2
-    lam, Q = torch.linalg.eigh(C)
-    floor = damp * float(lam.clamp_min(0).mean()) or damp
+    eye = torch.eye(C.shape[0], dtype=C.dtype, device=C.device)
+    floor = damp * float(torch.diagonal(C).mean().clamp_min(0)) or damp  # tr C / in: the mean eigenvalue
+    L, info = torch.linalg.cholesky_ex(C + floor * eye)
+    if int(info) == 0 and bool(torch.isfinite(L).all()):
+        return L, torch.linalg.solve_triangular(L, eye, upper=False)
+    lam, Q = torch.linalg.eigh(C)  # C not positive semi-definite beyond rounding: its negative part clipped
     lam = lam.clamp_min(0) + floor
     root = lam.sqrt()
     return Q * root[None, :], (Q / root[None, :]).T
