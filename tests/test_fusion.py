@@ -53,6 +53,32 @@ def test_kmeans_inertia_as_good_as_sklearn_on_unstructured_data():
     assert torch.equal(a.labels, b.labels)  # seeded
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kmeans_on_the_gram_matrix_takes_the_explicit_centres_iterations(dtype, monkeypatch):
+    """Fewer points than dimensions (fusion's neurons on calibration rows): Lloyd on the Gram matrix alone, the same
+    labels, iterations and centres as with explicit centres from the same seeds; and kmeans takes that path."""
+    import importlib
+
+    km = importlib.import_module("mlpsurgery.methods.fusion.kmeans")  # the module (the package exports the function)
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(300, 6, generator=g, dtype=torch.float64) @ torch.randn(6, 500, generator=g, dtype=torch.float64)
+         + 0.3 * torch.randn(300, 500, generator=g, dtype=torch.float64)).to(dtype)  # no clear clusters: many steps
+    x_sq = x.pow(2).sum(1)
+    gram = x @ x.T
+    seeds = km._kmeans_pp(x, x_sq, 40, torch.Generator().manual_seed(0), gram)
+    tol = 1e-4 * float(x.var(0, unbiased=False).mean())
+    explicit, it_e = km._lloyd(x, x_sq, None, seeds, 40, 300, tol)
+    on_gram, it_g = km._lloyd_gram(x, x_sq, gram, seeds, 40, 300, tol)
+    assert it_e > 2 and it_g == it_e and torch.equal(on_gram, explicit)
+    calls = []
+    real = km._lloyd_gram
+    monkeypatch.setattr(km, "_lloyd_gram", lambda *a: calls.append(1) or real(*a))
+    res = km.kmeans(x, 40, n_init=2, seed=0)
+    assert len(calls) == 2
+    means = torch.stack([x[res.labels == j].mean(0) for j in range(40)])
+    assert torch.allclose(res.centers, means, atol=1e-5 if dtype == torch.float32 else 1e-12)
+
+
 def test_kmeans_with_k_equal_n_puts_every_point_alone():
     x = torch.randn(40, 7, generator=torch.Generator().manual_seed(2))
     res = kmeans(x, 40, n_init=1)
