@@ -97,7 +97,7 @@ def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     for j, r in enumerate(ranks):
         rank_all(nested, r)
         w = site.read()
-        stats.append(refit_stats(w, target, xin[j % every::every], dtype=torch.float32))
+        stats.append(refit_stats(w, target, xin[j % every::every]))
         before.append(fit_error(stats[-1], w.down, w.down_bias))
     # each rank's sums weighed by 1 / its squared error before: every rank's relative improvement counts alike (the
     # weighting of the multi-rank tuning). Unweighted, the low ranks' large errors decide the fit and the top ranks
