@@ -90,9 +90,17 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        # almost every op returns a tensor or a flat tuple of them: only the rest walks the pytree (which costs more
+        # than the op itself for the small ops of a deep net)
+        if isinstance(out, Tensor):
+            leaves = (out,)
+        elif type(out) in (tuple, list) and all(type(t) is Tensor or t is None for t in out):
+            leaves = out
+        else:
+            leaves = tree_leaves(out)
+        for t in leaves:
             if isinstance(t, Tensor) and t.device.type != "meta":
-                st = _storage(t)
+                st = t.untyped_storage() if type(t) is Tensor else _storage(t)
                 ptr, n = st.data_ptr(), st.nbytes()
                 if ptr and ptr not in self._known:
                     self._known.add(ptr)
