@@ -85,8 +85,9 @@ def walk_layer(j: int, run: Callable[..., object], sites, targets, attn: bool, m
     `stop`. attn: `attn_work(j, c, y)` on the rows its attention's output projection reads and what `targets`' attention
     (the original's) gives out of its output projection on the same calls (a pass that stops there: the rest of the
     layer waits for the change); then mlp: `work(j, x, *extra)` on the residual rows entering its MLP sub-block, as
-    the changed attention gives them (that pass ends at the MLP's entry: `run` must catch `_Stop` per batch); returns what work returned (None without mlp). The whole-model walk
-    (`sequential`) and the layer-by-layer one (twist/layerwise.py) both run it."""
+    the changed attention gives them (that pass ends at the MLP's entry: `run` must catch `_Stop` per batch); returns
+    what work returned (None without mlp). The whole-model walk (`sequential`) and the layer-by-layer one
+    (twist/layerwise.py) both run it."""
     if attn:
         c_rows: list[Tensor] = []
         y_rows: list[Tensor] = []

@@ -26,7 +26,8 @@ DAMP = 1e-4  # relative to the mean eigenvalue: a floor for directions the calib
 
 def whitening(C: Tensor, damp: float = DAMP) -> tuple[Tensor, Tensor]:
     """(S, S⁻¹) with S Sᵀ = C + damp·mean(eig C)·I, both (in, in) float64: S the lower Cholesky factor (the
-    eigendecomposition's Q Λ^½ where Cholesky fails, which a positive semi-definite C plus the damping never should)."""
+    eigendecomposition's Q Λ^½ where Cholesky fails, which a positive semi-definite C plus the damping never
+    should)."""
     C = C.double()
     C = (C + C.T) / 2
     eye = torch.eye(C.shape[0], dtype=C.dtype, device=C.device)
