@@ -132,6 +132,30 @@ def test_the_refit_lowers_each_layers_output_error_against_no_refit(arch, method
         assert after["err"] < before["err"], (arch, method, i)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["neuron", "random"])
+def test_kept_neurons_refit_from_the_originals_activations_as_from_a_new_forward(arch, method, monkeypatch):
+    """Neuron / random pruning hold the original's inner activations on the calibration rows (`inner_rows`) and refit
+    from their kept columns and the outputs they give: the same weights as the refit that runs the MLPs again (the
+    path a too-large calibration takes, forced here with a zero memory bound)."""
+    from mlpsurgery.methods.reconstruct import refit as refit_module
+
+    model = tiny_model(arch)
+    x = capture_mlp_io(model, _blocks(), progress=False).layer(1)[0]
+    got = {}
+    for name, bound in (("held", refit_module.ACTS_BYTES), ("recomputed", 0)):
+        monkeypatch.setattr(refit_module, "ACTS_BYTES", bound)
+        m = copy.deepcopy(model)
+        site = find_sites(m).mlp[1]
+        info = compress_site(site, 24, FusionConfig(method=method, n_init=1), torch.Generator().manual_seed(0),
+                             calib=x)
+        assert info["refit"]["refit"] and info["refit"]["error_after"] < info["refit"]["error_before"]
+        got[name] = (site.read(), info["refit"])
+    assert got["held"][1]["error_after"] == pytest.approx(got["recomputed"][1]["error_after"], rel=1e-4, abs=1e-7)
+    for name, t in got["held"][0].tensors().items():
+        assert torch.allclose(t, got["recomputed"][0].tensors()[name], atol=1e-5, rtol=1e-4), (arch, method, name)
+
+
 def test_refit_down_is_the_least_squares_solution_and_keeps_a_bias():
     model = tiny_model("gpt2")  # plain MLP with biases
     site = find_sites(model).mlp[0]

@@ -91,17 +91,19 @@ def _activation_features(w: MLPWeights, xin: Tensor) -> Tensor:
     return (a * w.down.float().norm(dim=0)[None, :]).T.contiguous()
 
 
-def _importance(w: MLPWeights, x: Tensor | None, kind: str = "activation") -> Tensor:
+def _importance(w: MLPWeights, x: Tensor | None, kind: str = "activation", inner: Tensor | None = None) -> Tensor:
     """(h,) neuron scores: on x (MLP inputs) the mean |activation| (kind 'activation') or its root mean square (kind
     'output': with the norm below, the energy the neuron alone adds to the output) or, without data, the product of
-    the neuron's input-weight norms; times the norm of its output weights in every case."""
+    the neuron's input-weight norms; times the norm of its output weights in every case. inner: w's activations on x
+    (n, h) where the caller holds them."""
     out_norm = w.down.float().norm(dim=0)
     if x is not None:
         def part(a: Tensor) -> Tensor:
             a = a.float()
             return (a.abs() if kind == "activation" else a * a).sum(0, keepdim=True)
 
-        acts = torch.cat([part(w.inner(x[s:s + 4096].to(w.up))) for s in range(0, len(x), 4096)]).sum(0) / len(x)
+        rows = (lambda s: w.inner(x[s:s + 4096].to(w.up))) if inner is None else (lambda s: inner[s:s + 4096])
+        acts = torch.cat([part(rows(s)) for s in range(0, len(x), 4096)]).sum(0) / len(x)
         return (acts if kind == "activation" else acts.sqrt()) * out_norm
     score = torch.cat([w.up, w.up_bias[:, None]], 1).float().norm(dim=1) if w.up_bias is not None \
         else w.up.float().norm(dim=1)
@@ -160,6 +162,7 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
     MLP); target: rows (n, d) the refit aims at instead of the original MLP's output on calib. Returns what was done
     (for the report). Draws from `gen` what `draw_layer` draws, and nothing else."""
     from ..reconstruct.layer import mlp_inputs, refit_module_, whitened_svd_
+    from ..reconstruct.refit import inner_rows, outputs_from_inner
 
     w = site.read()
     h = w.h
@@ -172,6 +175,7 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
     info: dict = {"layer": site.index, "h": h, "width": k, "params_before": w.num_params()}
     device = torch.device(cfg.device) if cfg.device else w.up.device
     method = cfg.method
+    refit_rows: dict = {}  # the refit's rows where the method computed them anyway (a: the new inner, y: the target)
     if method in ("fusion", "cluster"):
         vec = neuron_vectors(w).float()
         feats = vec
@@ -205,6 +209,10 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
         module = DenseMLP.from_weights(dataclasses.replace(sw, down=sw.down * (h / k)))
         info["mmd2"] = mmd
     elif method in ("neuron", "random"):
+        # the original's activations on the calibration rows, held where they fit (`inner_rows`): the score reads
+        # them, and the refit takes the kept neurons' columns and the original's outputs from them, so neither MLP's
+        # gate / up runs again
+        acts = inner_rows(w, xin) if xin is not None and cfg.refit else None
         if method == "neuron":
             kind = importance_kind(cfg, calib is not None)
             if kind != "weight" and x is None:
@@ -213,12 +221,17 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
             if kind == "obs":
                 keep = _obs_keep(w, scored, k, info)
             else:
-                keep = _importance(w, scored, kind).argsort(descending=True)[:k].sort().values
+                keep = _importance(w, scored, kind, inner=acts if scored is xin else None) \
+                    .argsort(descending=True)[:k].sort().values
             info["importance"] = kind
         else:
             keep = drawn["keep"]
         module = DenseMLP.from_weights(w.select(keep))
         info["kept_neurons"] = keep.tolist() if k <= 64 else f"{k} of {h}"
+        if acts is not None:
+            refit_rows = {"a": acts[:, keep.to(acts.device)],
+                          "y": outputs_from_inner(w, acts) if target is None else target}
+            del acts
     elif method == "svd":
         if xin is not None and cfg.whiten:
             if site.replaced:
@@ -234,7 +247,7 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
     if module is not None:
         module.to(device=w.up.device, dtype=w.up.dtype)
         if xin is not None and cfg.refit:
-            info["refit"] = refit_module_(module, w, xin, y=target)
+            info["refit"] = refit_module_(module, w, xin, y=refit_rows.get("y", target), a=refit_rows.get("a"))
         site.replace_mlp(module)
     return info
 

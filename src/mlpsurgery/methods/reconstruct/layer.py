@@ -61,11 +61,12 @@ def obs_path(w: MLPWeights, xin: Tensor, k: int, snapshots: dict | None = None):
 
 
 def refit_module_(module: nn.Module, target: MLPWeights, xin: Tensor, ridge: float = RIDGE,
-                  y: Tensor | None = None) -> dict:
+                  y: Tensor | None = None, a: Tensor | None = None) -> dict:
     """Refit the down projection (and its bias) of a DenseMLP or FusedMLP in place to `target`'s output on the MLP
-    inputs xin (or to the rows y). Returns the relative output error before and after on xin."""
+    inputs xin (or to the rows y; a: the module's inner activations on xin where the caller has them). Returns the
+    relative output error before and after on xin."""
     new = module.to_mlp_weights()  # (a FusedMLP's P folded into the down projection)
-    fitted, info = refit_down(new, target, xin, ridge, y=y)
+    fitted, info = refit_down(new, target, xin, ridge, y=y, a=a)
     if info["refit"]:
         D = fitted.down
         P = getattr(module, "P", None)

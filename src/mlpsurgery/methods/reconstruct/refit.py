@@ -51,14 +51,36 @@ class RefitStats:
         return RefitStats(self.G * w, self.AY * w, self.a_sum * w, self.y_sum * w, self.yy * w, self.n * w)
 
 
+ACTS_BYTES = 1 << 29  # inner activations a caller may hold for all calibration rows at once (`inner_rows`)
+
+
+def inner_rows(w: MLPWeights, x: Tensor, max_bytes: int | None = None) -> Tensor | None:
+    """w's inner activations on every row of x (n, h), in w's dtype, chunk by chunk; None where they would take more
+    than max_bytes (default ACTS_BYTES; then the caller recomputes what it needs chunk by chunk)."""
+    if len(x) * w.h * w.up.element_size() > (ACTS_BYTES if max_bytes is None else max_bytes):
+        return None
+    with torch.no_grad():
+        return torch.cat([w.inner(x[s:s + CHUNK].to(w.up)) for s in range(0, len(x), CHUNK)])
+
+
+def outputs_from_inner(w: MLPWeights, acts: Tensor) -> Tensor:
+    """w's outputs (n, d) from its inner activations (n, h): what w(x) gives, without its gate / up again."""
+    with torch.no_grad():
+        return torch.cat([torch.nn.functional.linear(acts[s:s + CHUNK], w.down, w.down_bias)
+                          for s in range(0, len(acts), CHUNK)])
+
+
 def refit_stats(new: MLPWeights, target: MLPWeights, x: Tensor, y: Tensor | None = None,
-                dtype: torch.dtype = CHUNK_DTYPE) -> RefitStats:
+                dtype: torch.dtype = CHUNK_DTYPE, a: Tensor | None = None) -> RefitStats:
     """The sums of `RefitStats` for the narrowed MLP `new` against `target` (the original MLP) on MLP inputs x (n, d),
-    or against the given output rows y (n, d). dtype: of each chunk's products (summed in float64 across chunks)."""
+    or against the given output rows y (n, d). dtype: of each chunk's products (summed in float64 across chunks).
+    a: new's inner activations on x (n, k) where the caller has them (kept neurons are a column subset of the
+    original's activations it computed to choose them): new's gate / up do not run again."""
     def chunks():
         for s in range(0, len(x), CHUNK):
             xs = x[s:s + CHUNK]
-            yield new.inner(xs.to(new.up)), (target(xs.to(target.up)) if y is None else y[s:s + CHUNK])
+            yield (new.inner(xs.to(new.up)) if a is None else a[s:s + CHUNK]), \
+                (target(xs.to(target.up)) if y is None else y[s:s + CHUNK])
 
     with torch.no_grad():
         return _sums(chunks(), new.h, new.d, dtype)
@@ -133,11 +155,11 @@ def refit_linear(stats: RefitStats, weight: Tensor, bias: Tensor | None,
 
 
 def refit_down(new: MLPWeights, target: MLPWeights, x: Tensor, ridge: float = RIDGE,
-               y: Tensor | None = None) -> tuple[MLPWeights, dict]:
+               y: Tensor | None = None, a: Tensor | None = None) -> tuple[MLPWeights, dict]:
     """`new` with its down projection (and down bias, where it has one) refit to `target`'s outputs on MLP inputs x
-    (or to the rows y). Returns the weights (in new's dtype and device) and the relative output error on x before and
-    after."""
-    D, b, info = refit_linear(refit_stats(new, target, x, y), new.down, new.down_bias, ridge)
+    (or to the rows y; a: new's inner activations on x, as `refit_stats`). Returns the weights (in new's dtype and
+    device) and the relative output error on x before and after."""
+    D, b, info = refit_linear(refit_stats(new, target, x, y, a=a), new.down, new.down_bias, ridge)
     if D is None:
         return new, info
     return dataclasses.replace(new, down=D.to(new.down), down_bias=None if b is None else b.to(new.down)), info
