@@ -133,11 +133,12 @@ def test_the_refit_lowers_each_layers_output_error_against_no_refit(arch, method
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("method", ["neuron", "random"])
+@pytest.mark.parametrize("method", ["neuron", "random", "fusion"])
 def test_kept_neurons_refit_from_the_originals_activations_as_from_a_new_forward(arch, method, monkeypatch):
     """Neuron / random pruning hold the original's inner activations on the calibration rows (`inner_rows`) and refit
-    from their kept columns and the outputs they give: the same weights as the refit that runs the MLPs again (the
-    path a too-large calibration takes, forced here with a zero memory bound)."""
+    from their kept columns and the outputs they give (fusion: its clustering features and the refit's targets from
+    them): the same weights as the path that runs the MLPs again (the path a too-large calibration takes, forced here
+    with a zero memory bound)."""
     from mlpsurgery.methods.reconstruct import refit as refit_module
 
     model = tiny_model(arch)

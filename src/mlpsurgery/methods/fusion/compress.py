@@ -80,14 +80,15 @@ def _mmd_support(vectors: Tensor, k: int, steps: int, lr: float,
 FEATURE_ROWS = 4096  # calibration rows whose activations describe a neuron for the clustering
 
 
-def _activation_features(w: MLPWeights, xin: Tensor) -> Tensor:
+def _activation_features(w: MLPWeights, xin: Tensor, inner: Tensor | None = None) -> Tensor:
     """(h, m): each neuron's contribution on m <= FEATURE_ROWS calibration rows (its activation times the norm of its
     output weights), the rows evenly spaced through xin: k-means on these merges neurons whose contributions to the
     output move together, which the refit can then carry with one down column (on SmolLM2 at half width, 159.7 ->
-    58.3 against the weight vectors of the paper, docs/fusion.md)."""
-    rows = xin[torch.linspace(0, len(xin) - 1, min(len(xin), FEATURE_ROWS)).long()].to(w.up)
+    58.3 against the weight vectors of the paper, docs/fusion.md). inner: w's activations on xin where the caller
+    holds them."""
+    idx = torch.linspace(0, len(xin) - 1, min(len(xin), FEATURE_ROWS)).long()
     with torch.no_grad():
-        a = w.inner(rows).float()
+        a = (w.inner(xin[idx].to(w.up)) if inner is None else inner[idx.to(inner.device)]).float()
     return (a * w.down.float().norm(dim=0)[None, :]).T.contiguous()
 
 
@@ -183,7 +184,13 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
         if info["cluster_on"] == "activations":  # neurons that contribute alike on the calibration rows are merged
             if xin is None:
                 raise MLPSurgeryError("clustering on activations needs calibration data: give it, or cluster on weights")
-            feats = _activation_features(w, xin)
+            # the original's activations on every calibration row where they fit: the features take their rows,
+            # the refit the original's outputs (its gate / up would run again for them)
+            acts = inner_rows(w, xin) if cfg.refit else None
+            feats = _activation_features(w, xin, inner=acts)
+            if acts is not None:
+                refit_rows = {"y": outputs_from_inner(w, acts)} if target is None else {}
+                del acts
         km = kmeans(feats, k, n_init=cfg.n_init, max_iter=cfg.max_iter, tol=cfg.tol,
                     seed=drawn["kmeans_seed"], device=device, progress=progress)
         centroids, P = cluster_means(vec.to(km.labels.device), km.labels, k)
