@@ -15,7 +15,6 @@ from mlpsurgery.methods.fusion import FusionConfig, compress_site, fuse
 from mlpsurgery.methods.reconstruct import obs_prune, sequential, truncation_error, whitened_factors
 from mlpsurgery.methods.reconstruct.budget import plan_widths
 from mlpsurgery.methods.reconstruct.distill import distill
-from mlpsurgery.methods.reconstruct.layer import mlp_inputs, second_moment
 from mlpsurgery.methods.reconstruct.refit import refit_down
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import ARCHITECTURES, DECODERS, tiny_model
