@@ -1,9 +1,9 @@
 """Issue 45, session 33: what the demo's shorter DLR-Lock phase 1 and NSN local tuning cost in quality. On the demo's
 data (SmolLM2, 8k calibration tokens / 2k DLR training tokens, perplexity on its 1,024 held-out tokens):
 
-    python benchmarks/notes/demo_short_tuning.py dlr 60,20 40,14 30,10
+    python benchmarks/notes/demo_short_tuning.py dlr 60,20 40,14 30,10 40,0 30,0
         # DLR-Lock of layers 5, 15, 25 (rank 16), phase-1 steps, on-policy steps:
-        # 43.86 (52.5 s) / 44.23 (40.2 s) / 44.50 (33.7 s)
+        # 43.86 (52.5 s) / 44.23 (40.2 s) / 44.50 (33.7 s) / 44.35 (30.2 s) / 44.98 (24.4 s)
     python benchmarks/notes/demo_short_tuning.py nsn 1 1.5
         # NSN (last 2/3 of the layers) with that many local epochs, perplexity at 75 / 50 / 33% of the MLP FLOPs:
         # 1 epoch 59.4 / 104.7 / 225.5 (70 s), 1.5: 59.4 / 105.1 / 224.2 (80 s); the demo's former 2: 59.4 / 104.2 / 222.7

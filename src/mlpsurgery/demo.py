@@ -193,16 +193,19 @@ def run(model_spec: str | None = None, out: str | Path = "mlpsurgery-demo", toke
         with clock.stage(f"DLR-Lock of {len(chosen)} layers (short phase 1) and its training memory"):
             d = copy.deepcopy(model)
             train = corpus.blocks("train", 128, max_blocks=16, seed=0)
-            # 30 phase-1 steps (+ 10 on-policy): 44.5 on the held-out text against 43.9 after 60 (+ 20), in 34 s
-            # instead of 53 (session 33, docs/notes/dlr-lock.md)
+            # 30 phase-1 steps, no on-policy ones: 45.0 on the held-out text against 43.9 after 60 + 20 on-policy,
+            # in 24 s instead of 53 (at this size the on-policy steps do not pay: 30 + 10 gave 44.5 in 34 s;
+            # benchmarks/notes/demo_short_tuning.py, docs/notes/calibration.md)
             cfg = DLRConfig(rank=16, layers=",".join(map(str, chosen)), calib_blocks=16, block_len=128,
-                            phase1_steps=30, phase1_tokens=256, phase2_steps=0, compile=False)
+                            phase1_steps=30, phase1_tokens=256, phase2_steps=0, onpolicy_steps=0, compile=False)
             rep = dlr_lock(d, train, train[:2], cfg, work / "dlr-work", progress=False)
             batch = corpus.blocks("train", 128, max_blocks=2, seed=1)
             cost = compare_cost(model, d, batch, repeats=0, warmup=0)  # the peaks alone
             factor = cost["ratio"]["step_peak_bytes"]
             rows.append({"method": "DLR-Lock", "what": f"MLPs of layers {chosen} -> DLR-Nets (rank 16, depth {rep.depth}), "
-                         f"{cfg.phase1_steps} phase-1 steps + {cfg.onpolicy_count} on-policy", "params": params(d), "ppl": ppl(d),
+                         f"{cfg.phase1_steps} phase-1 steps"
+                         + (f" + {cfg.onpolicy_count} on-policy" if cfg.onpolicy_count else ""),
+                         "params": params(d), "ppl": ppl(d),
                          "note": f"training-step peak memory {factor:.2f}x the original's (batch 2 x 128)",
                          "data": f"{train.numel():,} training tokens (train split)",
                          "folder": save(d, work / "dlr", tokenizer=tok)})
