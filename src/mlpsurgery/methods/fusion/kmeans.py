@@ -3,7 +3,7 @@
 Where the points are few enough for their Gram matrix G = x xᵀ (n <= GRAM_MAX), Lloyd runs on it alone: a centre is
 the mean of its members, so x_i · c_j is the mean of G[i, S_j] and |c_j|² the mean of those over S_j, and an
 iteration costs O(n²) sums instead of the O(n k dim) products of the distances to explicit centres (fusion clusters
-1,536 neurons described on 4,096 calibration rows: about 1,000x fewer operations per iteration). The same
+1,536 neurons described on 4,096 calibration rows into 768: about 2,000x fewer operations per iteration). The same
 iterations, only rounded differently."""
 
 from __future__ import annotations
