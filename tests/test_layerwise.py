@@ -102,6 +102,34 @@ def test_activations_past_max_memory_go_to_disk_from_the_first_batch_on(tmp_path
             assert all(torch.equal(a, b) for a, b in zip(acts.hidden, ram.hidden))
 
 
+def test_a_capture_pass_can_end_at_the_mlps_entry(tmp_path):
+    """`run(keep=False, until=E)`: a hook that has its rows raises E and the batch's pass ends there (the MLP never
+    runs), with the same rows as the whole pass; a pass that ends early and should keep its output is refused."""
+    from mlpsurgery.methods.reconstruct.sequential import _Stop, rows_hook
+
+    src = saved_checkpoint(tmp_path, "llama")
+    stream = LayerStream(src)
+    acts = stream.layer_inputs(_blocks(n=4, t=16), batch_size=2)
+    stream.materialise(0)
+    site = find_sites(stream.model).mlp[0]
+    got, calls = {}, []
+    exit_hook = site.exit.register_forward_hook(lambda *_: calls.append(1))
+    for name, stop in (("whole", False), ("ended", True)):
+        rows: list = []
+        hook = site.entry.register_forward_pre_hook(rows_hook(rows, stop=stop))
+        try:
+            stream.run(0, acts, keep=False, until=_Stop if stop else None)
+        finally:
+            hook.remove()
+        got[name] = (torch.cat(rows), len(calls))
+        calls.clear()
+    exit_hook.remove()
+    assert torch.equal(got["whole"][0], got["ended"][0])
+    assert got["whole"][1] == 2 and got["ended"][1] == 0  # two batches; the ended pass never reached the MLP's exit
+    with pytest.raises(MLPSurgeryError, match="internal"):
+        stream.run(0, acts, keep=True, until=_Stop)
+
+
 def test_activations_spill_to_disk_under_max_memory_with_the_same_result(tmp_path):
     src = saved_checkpoint(tmp_path, "llama")
     data = _blocks(n=8, t=32)

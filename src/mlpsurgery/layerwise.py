@@ -361,17 +361,23 @@ class LayerStream:
         return Activations(hidden, calls)
 
     def run(self, i: int, acts: Activations, keep: bool = True, tag: str = "",
-            keep_inputs: bool = False) -> Activations | None:
+            keep_inputs: bool = False, until: type[Exception] | None = None) -> Activations | None:
         """Layer i (materialised) over every batch: the next layer's inputs (keep=False: only for the hooks on
         the layer, nothing kept). The inputs' files, if on disk, are removed once a kept run is done (unless
         keep_inputs). tag: a name prefix for the files of a second stream of activations beside the first (e.g.
-        through replaced layers)."""
+        through replaced layers). until (keep=False only): the exception a hook on the layer raises once it has
+        what it needs, ending that batch's pass there."""
+        if until is not None and keep:
+            raise MLPSurgeryError("internal: a pass that ends early has no output to keep")
         layer = self.layers[i]
         out = []
         with torch.no_grad():
             for b, h in enumerate(acts.hidden):
                 args, kwargs = acts.calls[i][b]
-                y = layer(self.to_device(h), *args, **kwargs)
+                try:
+                    y = layer(self.to_device(h), *args, **kwargs)
+                except until or ():
+                    continue
                 self.tuple_out = isinstance(y, (tuple, list))  # the layers' output form (for `outputs`)
                 if keep:
                     y = y[0] if isinstance(y, (tuple, list)) else y

@@ -50,7 +50,7 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
     down projection refit and / or tuned at every rank, and the stream goes on through it at its stream rank, so the
     next layer is calibrated on what the nested layers before it give. The folder is the whole-model one."""
     from ..pruning.calibrated import moment_hooks
-    from ..reconstruct.sequential import rows_hook
+    from ..reconstruct.sequential import _Stop, rows_hook
     from .local import at_max_rank, check_epochs, check_tuned, tune_layer_, tuned_provenance, tuned_report
 
     check_config(cfg)
@@ -78,9 +78,9 @@ def nest_layerwise(folder: str | Path, out: str | Path, cfg: NSNConfig, dtype=No
         nonlocal count
         if i in chosen:
             got: list[Tensor] = []
-            hook = sites.mlp[i].entry.register_forward_pre_hook(rows_hook(got))
+            hook = sites.mlp[i].entry.register_forward_pre_hook(rows_hook(got, stop=True))
             try:
-                stream.run(i, state["acts"], keep=False)
+                stream.run(i, state["acts"], keep=False, until=_Stop)  # the rows are all this pass is for
             finally:
                 hook.remove()
             count += len(layer_slots(model, cfg, i))
