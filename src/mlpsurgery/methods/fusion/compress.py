@@ -186,10 +186,10 @@ def compress_site(site: MLPSite, k: int, cfg: FusionConfig, gen: torch.Generator
                 raise MLPSurgeryError("clustering on activations needs calibration data: give it, or cluster on weights")
             # the original's activations on every calibration row where they fit: the features take their rows,
             # the refit the original's outputs (its gate / up would run again for them)
-            acts = inner_rows(w, xin) if cfg.refit else None
+            acts = inner_rows(w, xin) if cfg.refit and target is None else None
             feats = _activation_features(w, xin, inner=acts)
             if acts is not None:
-                refit_rows = {"y": outputs_from_inner(w, acts)} if target is None else {}
+                refit_rows = {"y": outputs_from_inner(w, acts)}
                 del acts
         km = kmeans(feats, k, n_init=cfg.n_init, max_iter=cfg.max_iter, tol=cfg.tol,
                     seed=drawn["kmeans_seed"], device=device, progress=progress)
