@@ -20,7 +20,7 @@ from mlpsurgery.methods.pruning.blocks_layerwise import block_prune_layerwise
 from mlpsurgery.methods.pruning.layerwise import _moment_bytes, prune_layerwise
 from mlpsurgery.models import load_model
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import ARCHITECTURES
+from mlpsurgery.tiny import ARCHITECTURES, ENCODERS
 
 CASES = [("magnitude", 0.5, None), ("wanda", 0.5, None), ("sparsegpt", 0.5, None), ("sparsegpt", None, "2:4")]
 
@@ -225,7 +225,7 @@ def test_layerwise_block_pruning_equals_whole_model_bit_for_bit(tmp_path, arch, 
     the whole model's scores, subnet, errors and folder bit for bit; encoders without a loss are refused by both."""
     src = saved_checkpoint(tmp_path, arch)
     data = _blocks()
-    if method == "fisher" and arch in ("bert", "roberta"):
+    if method == "fisher" and arch in ENCODERS:
         with pytest.raises(MLPSurgeryError, match="no language-model loss"):
             prune(load_model(src).model, "fisher", 0.5, data=data, blocks=4, progress=False)
         with pytest.raises(MLPSurgeryError, match="no language-model loss"):
@@ -329,7 +329,7 @@ def test_cli_prune_layerwise_fisher_and_random(tmp_path, capsys):
 
 # ---- perplexity one layer at a time (LayerStream.outputs, measure.perplexity_layerwise) -------------------
 
-CAUSAL = [a for a in ARCHITECTURES if a not in ("bert", "roberta")]
+CAUSAL = [a for a in ARCHITECTURES if a not in ENCODERS]
 
 
 @pytest.mark.parametrize("arch", CAUSAL)

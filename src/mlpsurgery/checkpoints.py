@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from .errors import IntegrityError, MLPSurgeryError
-
-ENCODER_TYPES = ("bert", "roberta")
+from .sites.specs import is_encoder_type
 
 
 def _first_line(e: BaseException, limit: int = 240) -> str:
@@ -101,7 +100,7 @@ def _model_class(config, task: str):
             klass = getattr(T, str(name), None)
             if isinstance(klass, type) and issubclass(klass, T.PreTrainedModel):
                 return klass
-        task = "encoder" if config.model_type in ENCODER_TYPES else "causal-lm"
+        task = "encoder" if is_encoder_type(config.model_type) else "causal-lm"
     return {"causal-lm": T.AutoModelForCausalLM, "encoder": T.AutoModel,
             "classifier": T.AutoModelForSequenceClassification}[task]
 

@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerFast
 VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
 PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
-DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt")
-ENCODERS = ("bert", "roberta")
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "gemma", "gemma2", "gemma3_text", "phi3",
+            "gpt2", "gpt_neox", "opt")
+ENCODERS = ("bert", "roberta", "xlm-roberta")
 ARCHITECTURES = DECODERS + ENCODERS
 
 
@@ -47,10 +48,10 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
     elif arch == "opt":
         cfg = T.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                           max_position_embeddings=128, word_embed_proj_dim=32, dropout=0.0, **ids)
-    elif arch in ("bert", "roberta"):
-        klass = T.BertConfig if arch == "bert" else T.RobertaConfig
+    elif arch in ENCODERS:
+        klass = {"bert": T.BertConfig, "roberta": T.RobertaConfig, "xlm-roberta": T.XLMRobertaConfig}[arch]
         kw = dict(common)
-        if arch == "roberta":
+        if arch != "bert":
             # RoBERTa numbers positions from pad_token_id + 1, so the table must reach past the pad id.
             kw["max_position_embeddings"] = PAD + 2 + 256
         cfg = klass(**kw, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, type_vocab_size=2)
@@ -59,7 +60,8 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
     else:
         klass = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
                  "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
-                 "phi3": T.Phi3Config}.get(arch)
+                 "phi3": T.Phi3Config, "smollm3": T.SmolLM3Config, "olmo": T.OlmoConfig,
+                 "ernie4_5": T.Ernie4_5Config}.get(arch)
         if klass is None:
             raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
         kw = dict(common, num_key_value_heads=2)
@@ -67,9 +69,13 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
             kw["head_dim"] = 8
         if arch == "qwen2":
             kw["use_sliding_window"] = False
+        if arch == "smollm3":
+            kw["no_rope_layer_interval"] = 2  # every second layer without rotary positions (NoPE), as SmolLM3's 4th
         cfg = klass(**kw)
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    if arch == "smollm3" and "no_rope_layers" not in overrides:  # a per-layer list: it follows the layer count
+        cfg.no_rope_layers = [int((i + 1) % cfg.no_rope_layer_interval != 0) for i in range(cfg.num_hidden_layers)]
     return cfg
 
 

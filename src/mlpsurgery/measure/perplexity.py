@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import MLPSurgeryError
 from ..models import check_context, context_length
+from ..sites.specs import is_encoder_type
 
 
 @dataclass
@@ -69,7 +70,7 @@ def default_block_len(model: nn.Module, want: int = 512) -> int:
 def is_causal_lm(model: nn.Module) -> bool:
     return hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None and \
         not getattr(model.config, "is_encoder_decoder", False) and \
-        getattr(model.config, "model_type", "") not in ("bert", "roberta")
+        not is_encoder_type(getattr(model.config, "model_type", None))
 
 
 def _next_token_nll(logits: Tensor, ids: Tensor, chunk_bytes: int = 1 << 26) -> Tensor:

@@ -66,6 +66,10 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "mistral": dataclasses.replace(_LLAMA, name="mistral"),
     "qwen2": dataclasses.replace(_LLAMA, name="qwen2"),
     "qwen3": dataclasses.replace(_LLAMA, name="qwen3"),
+    # the same pre-norm decoder layer as Llama's, under the same names (checked against each modeling file):
+    "smollm3": dataclasses.replace(_LLAMA, name="smollm3"),  # some layers without rotary positions
+    "olmo": dataclasses.replace(_LLAMA, name="olmo"),  # layer norms without weights, optional q / k / v clipping
+    "ernie4_5": dataclasses.replace(_LLAMA, name="ernie4_5"),
     "gemma": dataclasses.replace(_LLAMA, name="gemma", norm_plus_one=True),
     "gemma2": dataclasses.replace(_LLAMA, name="gemma2", act_keys=("hidden_activation", "hidden_act"),
                                   pre_norm="pre_feedforward_layernorm",
@@ -97,8 +101,15 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                      embeddings=("embeddings",), final_norm=None, heads_in_config=False),
 }
 ARCH_SPECS["roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="roberta")
+ARCH_SPECS["xlm-roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="xlm-roberta")
 
 SUPPORTED = tuple(ARCH_SPECS)
+
+
+def is_encoder_type(model_type: str | None) -> bool:
+    """Whether a supported `model_type` is a bidirectional encoder (BERT-like: no next-token head to score)."""
+    spec = ARCH_SPECS.get(model_type)
+    return spec is not None and not spec.decoder
 
 
 def arch_spec(config) -> ArchSpec:

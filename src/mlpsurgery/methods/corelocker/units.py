@@ -176,13 +176,17 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig, visit=None) -> 
     if cfg.indicator == "scale":
         for mlp, attn in zip(sites.mlp, sites.attn):
             path = paths[id(mlp.layer)]
-            exposed = [m for m in (attn.pre_norm, mlp.pre_norm, mlp.inner_post_norm, mlp.outer_post_norm) if m is not None]
+            exposed = [m for m in (attn.pre_norm, mlp.pre_norm, mlp.inner_post_norm, mlp.outer_post_norm)
+                       if m is not None and _is_norm(m)]  # (OLMo's layer norms carry no weights)
             # norms the sites layer does not name (BERT's attention-output LayerNorm, q/k norms) are
             # found by structure: a module of the layer with a 1-D weight whose class is a norm.
             others = [m for m in mlp.layer.modules() if _is_norm(m) and all(m is not e for e in exposed)]
             with visit(mlp.index):
                 for mod in exposed + others:
                     groups.append(_norm_group(paths[id(mod)], mod, sites.spec.norm_plus_one, cfg, len(groups)))
+        if not groups:
+            raise MLPSurgeryError(f"the scale indicator ranks normalisation channels, and no norm in this "
+                                  f"{sites.spec.name} model's layers has a weight to rank; use --indicator l1 or random")
         return groups
     if cfg.unit == "weight":
         for mlp, attn in zip(sites.mlp, sites.attn):
