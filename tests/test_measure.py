@@ -2,13 +2,14 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from mlpsurgery.errors import MLPSurgeryError
 from mlpsurgery.measure.cost import compare_cost, count_params, flops_per_token, inspect, max_batch, measure_cost
 from mlpsurgery.measure.perplexity import _windows, perplexity
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.sites import find_sites
-from mlpsurgery.tiny import tiny_model
+from mlpsurgery.tiny import ENCODERS, tiny_config, tiny_model
 
 
 @pytest.mark.parametrize("n,block,stride", [(100, 16, 15), (100, 16, 5), (10, 16, 15), (33, 8, 3), (17, 17, 16),
@@ -71,9 +72,13 @@ def test_perplexity_max_tokens_cuts_a_long_window_and_refuses_beyond_the_context
         perplexity(model, [seq], block_len=16, stride=0, progress=False)
 
 
-def test_perplexity_refuses_an_encoder():
+@pytest.mark.parametrize("arch", ENCODERS)
+def test_perplexity_refuses_an_encoder_even_with_a_masked_lm_head(arch):
     with pytest.raises(MLPSurgeryError, match="causal language model"):
-        perplexity(tiny_model("bert"), [torch.arange(10)], progress=False)
+        perplexity(tiny_model(arch), [torch.arange(10)], progress=False)
+    masked = transformers.AutoModelForMaskedLM.from_config(tiny_config(arch)).eval()  # it has output embeddings
+    with pytest.raises(MLPSurgeryError, match="causal language model"):
+        perplexity(masked, [torch.arange(10)], progress=False)
 
 
 def test_param_counts_partition_the_model(model):

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
 PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
-DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "gemma", "gemma2", "gemma3_text", "phi3",
-            "gpt2", "gpt_neox", "opt")
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "gemma", "gemma2", "gemma3_text",
+            "phi3", "gpt2", "gpt_neox", "opt")
 ENCODERS = ("bert", "roberta", "xlm-roberta")
 ARCHITECTURES = DECODERS + ENCODERS
 

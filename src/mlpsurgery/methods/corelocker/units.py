@@ -186,7 +186,8 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig, visit=None) -> 
                     groups.append(_norm_group(paths[id(mod)], mod, sites.spec.norm_plus_one, cfg, len(groups)))
         if not groups:
             raise MLPSurgeryError(f"the scale indicator ranks normalisation channels, and no norm in this "
-                                  f"{sites.spec.name} model's layers has a weight to rank; use --indicator l1 or random")
+                                  f"{sites.spec.name} model's layers has a weight to rank; use --indicator l1 or "
+                                  "random")
         return groups
     if cfg.unit == "weight":
         for mlp, attn in zip(sites.mlp, sites.attn):
