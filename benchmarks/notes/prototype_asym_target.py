@@ -10,14 +10,14 @@ process and runs the CLI with the arguments given:
 
 Answer (docs/notes/calibration.md, session 34): MODE=asym 64.47 at half width against 53.86 with the sequential
 target (and 61.99 / 57.21 for the corrective / sequential targets at 8k): worse; not built in."""
+import importlib
 import os
 import sys
 
-import mlpsurgery.methods.reconstruct.sequential  # noqa: F401
 from mlpsurgery.methods.reconstruct.local import subblock_rows
 from mlpsurgery.sites import find_sites
 
-S = sys.modules["mlpsurgery.methods.reconstruct.sequential"]
+S = importlib.import_module("mlpsurgery.methods.reconstruct.sequential")  # the module (the package exports a function)
 MODE = os.environ.get("MODE", "asym")
 ALPHA = float(os.environ.get("ALPHA", "0.5"))
 _orig = S.sequential
