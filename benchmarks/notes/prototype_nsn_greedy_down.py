@@ -20,9 +20,9 @@ import torch
 
 import mlpsurgery.methods.nsn.local as L
 from mlpsurgery.methods.reconstruct.layer import mlp_inputs
-from mlpsurgery.methods.reconstruct.refit import fit_error, refit_stats, solve_down
+from mlpsurgery.methods.reconstruct.refit import fit_error, solve_down
 from mlpsurgery.methods.reconstruct.whiten import whitened_factors
-from mlpsurgery.modules.nested import NestedLinear, rank_all
+from mlpsurgery.modules.nested import NestedLinear
 
 EVERY = int(os.environ.get("EVERY", "1"))  # rows per rank: every EVERY-th (1: all)
 RIDGE = float(os.environ.get("RIDGE", str(L.NSN_REFIT_RIDGE)))
@@ -30,13 +30,7 @@ RIDGE = float(os.environ.get("RIDGE", str(L.NSN_REFIT_RIDGE)))
 
 def refit_down_greedy_(site, nested, target, x, ranks):
     down = site.linears()["down"]
-    xin = mlp_inputs(site, x)
-    stats, before = [], []
-    for j, r in enumerate(ranks):
-        rank_all(nested, r)
-        w = site.read()
-        stats.append(refit_stats(w, target, xin[j % EVERY::EVERY]))
-        before.append(fit_error(stats[-1], w.down, w.down_bias))
+    stats, before = L.rank_stats(site, nested, target, mlp_inputs(site, x), ranks, EVERY)
     d, h = down.out_features, down.in_features
     R = down.max_rank
     Bs, As = [], []
@@ -59,11 +53,8 @@ def refit_down_greedy_(site, nested, target, x, ranks):
         As.append(A[:m])
         P = P + B[:, :m] @ A[:m]
         prev += m
-    B = torch.cat(Bs, 1)
+    B = torch.cat(Bs, 1)  # the last stage holds the remaining R - prev components
     A = torch.cat(As, 0)
-    if B.shape[1] < R:  # (cannot happen when the last stage has R - prev components)
-        B = torch.cat([B, B.new_zeros(d, R - B.shape[1])], 1)
-        A = torch.cat([A, A.new_zeros(R - A.shape[0], h)], 0)
     new = NestedLinear.from_factors(B[:, :R], A[:R], bias, dense_class=down.dense_class, like=down.B.detach())
     site.replace_linear("down", new)
     with torch.no_grad():

@@ -74,8 +74,9 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
         cfg = klass(**kw)
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    if arch == "smollm3" and "no_rope_layers" not in overrides:  # a per-layer list: it follows the layer count
-        cfg.no_rope_layers = [int((i + 1) % cfg.no_rope_layer_interval != 0) for i in range(cfg.num_hidden_layers)]
+    if arch == "smollm3" and "no_rope_layers" not in overrides:  # a per-layer list: the config's own rule at the count
+        cfg.no_rope_layers = T.SmolLM3Config(num_hidden_layers=cfg.num_hidden_layers,
+                                             no_rope_layer_interval=cfg.no_rope_layer_interval).no_rope_layers
     return cfg
 
 

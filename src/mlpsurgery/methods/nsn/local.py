@@ -78,6 +78,21 @@ def _moments_and_goal(site, slots, x: Tensor) -> tuple[dict[int, Tensor], Tensor
     return {n: got[str(n)] for n in range(len(slots))}, goal
 
 
+def rank_stats(site, nested, target, xin: Tensor, ranks, every: int) -> tuple[list, list[float]]:
+    """For each rank of `ranks` (the nested MLP at `site`, its NestedLinears `nested`, set to it): the refit sums of
+    its inner activations against `target`'s output on every `every`-th row of the MLP inputs xin (offset by the
+    rank's place), and the relative error of its down projection as it is."""
+    from ..reconstruct.refit import fit_error, refit_stats
+
+    stats, before = [], []
+    for j, r in enumerate(ranks):
+        rank_all(nested, r)
+        w = site.read()
+        stats.append(refit_stats(w, target, xin[j % every::every]))
+        before.append(fit_error(stats[-1], w.down, w.down_bias))
+    return stats, before
+
+
 def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     """The nested MLP at `site` (its NestedLinears `nested`) gets the down projection refit at every rank of
     `ranks` at once (the module docstring): one least-squares map from the inner activations the truncated gate / up
@@ -87,18 +102,11 @@ def refit_down_nested_(site, nested, target, x: Tensor, ranks) -> dict:
     about twice x, not len(ranks) times). In place; returns the relative output error of the nested MLP at each rank
     before and after."""
     from ..reconstruct.layer import mlp_inputs
-    from ..reconstruct.refit import fit_error, refit_stats, solve_down
+    from ..reconstruct.refit import fit_error, solve_down
     from ..reconstruct.whiten import whitened_factors
 
     down = site.linears()["down"]
-    xin = mlp_inputs(site, x)
-    every = max(1, (len(ranks) + 1) // 2)
-    stats, before = [], []
-    for j, r in enumerate(ranks):
-        rank_all(nested, r)
-        w = site.read()
-        stats.append(refit_stats(w, target, xin[j % every::every]))
-        before.append(fit_error(stats[-1], w.down, w.down_bias))
+    stats, before = rank_stats(site, nested, target, mlp_inputs(site, x), ranks, max(1, (len(ranks) + 1) // 2))
     # each rank's sums weighed by 1 / its squared error before: every rank's relative improvement counts alike (the
     # weighting of the multi-rank tuning). Unweighted, the low ranks' large errors decide the fit and the top ranks
     # lose: SmolLM2 at 100% of the FLOPs 46.2 against the plain start's 43.7, weighed 43.3 (docs/notes/nsn.md)
