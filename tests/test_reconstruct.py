@@ -15,6 +15,7 @@ from mlpsurgery.methods.fusion import FusionConfig, compress_site, fuse
 from mlpsurgery.methods.reconstruct import obs_prune, sequential, truncation_error, whitened_factors
 from mlpsurgery.methods.reconstruct.budget import plan_widths
 from mlpsurgery.methods.reconstruct.distill import distill
+from mlpsurgery.methods.reconstruct.local import stream_target, stream_target_refusal
 from mlpsurgery.methods.reconstruct.refit import refit_down
 from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import ARCHITECTURES, DECODERS, tiny_model
@@ -258,10 +259,51 @@ def test_calibrated_fuse_refuses_what_it_cannot_do():
         fuse(model, FusionConfig(width=24, method="neuron", budget="per-layer"), progress=False)
     with pytest.raises(MLPSurgeryError, match="budget must be one of"):
         FusionConfig(budget="greedy").validate()
-    gemma2 = tiny_model("gemma2")  # normalises the MLP's output inside the sub-block
-    with pytest.raises(MLPSurgeryError, match="corrective"):
-        fuse(gemma2, FusionConfig(width=24, method="neuron", calibration="corrective"), calib_data=_blocks(),
-             progress=False)
+
+
+class _Gives(torch.nn.Module):
+    """An MLP stand-in that outputs fixed rows (the shape of whatever it is called on, width d)."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, h):
+        return self.rows.reshape(*h.shape[:-1], self.rows.shape[-1]).to(h.dtype)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + ("gpt_neox-sequential",))
+def test_the_corrective_target_takes_the_layer_where_the_original_stream_goes(arch):
+    """An MLP giving stream_target on the rows a changed model brings makes the layer's output the original's, through
+    each architecture's own forward (Granite's residual multiplier, BERT's post-norm, OPT's flattened MLP); where it
+    cannot (an MLP output normalised inside the sub-block, GPT-NeoX's parallel attention), the corrective
+    calibration is refused."""
+    model = tiny_model("gpt_neox", use_parallel_residual=False) if arch == "gpt_neox-sequential" else tiny_model(arch)
+    why = stream_target_refusal(find_sites(model).mlp[0])
+    if why is not None:
+        assert arch in ("gemma2", "gemma3_text", "gpt_neox")
+        with pytest.raises(MLPSurgeryError, match="corrective.*" + why[:40]):
+            fuse(model, FusionConfig(width=24, method="neuron", calibration="corrective"), calib_data=_blocks(),
+                 progress=False)
+        return
+    site, layer = find_sites(model).mlp[0], find_sites(model).layers()[0]
+    seen = {}
+    handles = [site.entry.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].reshape(-1, site.d))),
+               layer.register_forward_hook(
+                   lambda m, a, o: seen.__setitem__("out", o[0] if isinstance(o, tuple) else o))]
+    ref_ids, ids = _blocks(2, 12, seed=3), _blocks(2, 12, seed=4)
+    with torch.no_grad():
+        model(input_ids=ref_ids)
+        x_ref, want = seen["x"], seen["out"]
+        model(input_ids=ids)
+        x = seen["x"]
+        target = stream_target(site, x, x_ref, site.subblock(x_ref))
+        site.replace_mlp(_Gives(target))
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    assert not torch.allclose(x, x_ref, atol=1e-3)
+    assert torch.allclose(seen["out"], want, atol=1e-5), (arch, float((seen["out"] - want).abs().max()))
 
 
 # ---- per-layer budgets and recovery -------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
 PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
-DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "gemma", "gemma2", "gemma3_text",
-            "phi3", "gpt2", "gpt_neox", "opt")
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
+            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt")
 ENCODERS = ("bert", "roberta", "xlm-roberta")
 ARCHITECTURES = DECODERS + ENCODERS
 
@@ -61,16 +61,25 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
         klass = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
                  "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
                  "phi3": T.Phi3Config, "smollm3": T.SmolLM3Config, "olmo": T.OlmoConfig,
-                 "ernie4_5": T.Ernie4_5Config}.get(arch)
+                 "ernie4_5": T.Ernie4_5Config, "ministral": T.MinistralConfig, "seed_oss": T.SeedOssConfig,
+                 "granite": T.GraniteConfig, "starcoder2": T.Starcoder2Config}.get(arch)
         if klass is None:
             raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
         kw = dict(common, num_key_value_heads=2)
-        if arch in ("gemma", "gemma2", "gemma3_text", "qwen3"):
+        if arch in ("gemma", "gemma2", "gemma3_text", "qwen3", "seed_oss", "ministral"):
             kw["head_dim"] = 8
         if arch == "qwen2":
             kw["use_sliding_window"] = False
         if arch == "smollm3":
             kw["no_rope_layer_interval"] = 2  # every second layer without rotary positions (NoPE), as SmolLM3's 4th
+        if arch == "ministral":  # a window shorter than the tests' texts, on every second layer
+            kw.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+        if arch == "seed_oss":
+            kw["attention_out_bias"] = True
+        if arch == "granite":  # multipliers away from 1, so that the tests see what they scale
+            kw.update(residual_multiplier=0.5, embedding_multiplier=4.0, attention_multiplier=0.25, logits_scaling=2.0)
+        if arch == "starcoder2":
+            kw.update(residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)
         cfg = klass(**kw)
     for k, v in overrides.items():
         setattr(cfg, k, v)

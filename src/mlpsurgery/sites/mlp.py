@@ -82,8 +82,27 @@ class MLPSite:
         return self.module
 
     @property
+    def residual_scale(self) -> float:
+        """The factor the layer's forward applies to the sub-block's output before adding it to the residual stream
+        (Granite's residual_multiplier; 1 elsewhere). `exit` and `subblock` give the output before it."""
+        key = self.spec.residual_scale_key
+        scale = 1.0 if key is None else getattr(self.config, key, 1.0)
+        if not isinstance(scale, (int, float)) or not scale or scale != scale:
+            raise MLPSurgeryError(f"{self.spec.name}: config.{key} = {scale!r}; the sub-block's output must reach the "
+                                  "residual stream with a finite non-zero scale")
+        return float(scale)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the layer runs attention and this MLP side by side on its input (GPT-NeoX's default): `entry` then
+        sees the stream entering the layer, and the layer adds both sub-blocks' outputs to it."""
+        key = self.spec.parallel_key
+        return bool(key and getattr(self.config, key, False))
+
+    @property
     def exit(self) -> nn.Module:
-        """Module whose output is the delta the sub-block adds to x (hook with a forward hook)."""
+        """Module whose output is the delta the sub-block adds to x (hook with a forward hook); before the
+        `residual_scale` where the layer applies one."""
         s = self.spec
         if s.inner_post_norm:
             return self.inner_post_norm
@@ -277,8 +296,8 @@ class MLPSite:
         self.replace_mlp(module)
 
     def subblock(self, x: Tensor) -> Tensor:
-        """What the sub-block adds to x, computed by the layer's current modules, in their dtype (captured float32
-        inputs meet a bfloat16 model here). x: (..., d)."""
+        """What the sub-block adds to x (before the layer's `residual_scale`, where it has one), computed by the
+        layer's current modules, in their dtype (captured float32 inputs meet a bfloat16 model here). x: (..., d)."""
         p = next(self.parameters(), None)
         if p is not None and x.dtype != p.dtype:
             x = x.to(p.dtype)

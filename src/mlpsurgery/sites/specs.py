@@ -30,6 +30,12 @@ class ArchSpec:
     inner_post_norm: str | None = None  # applied to the MLP output before the residual add (Gemma 2/3)
     outer_post_norm: str | None = None  # applied after the residual add (post-norm encoders)
     norm_plus_one: bool = False  # Gemma's RMSNorm scales by (1 + weight)
+    # the config field scaling the sub-block's output on its way into the residual stream, outside the modules the
+    # sites read and replace (Granite's residual_multiplier); None: added as it is
+    residual_scale_key: str | None = None
+    # the config switch that runs attention and MLP side by side on the layer's input (GPT-NeoX's
+    # use_parallel_residual): the MLP's input is then the stream entering the layer, not the one attention left
+    parallel_key: str | None = None
     width_key: str = "intermediate_size"  # the config field holding the MLP inner width
     # attention
     attn: str = "self_attn"
@@ -70,6 +76,13 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "smollm3": dataclasses.replace(_LLAMA, name="smollm3"),  # some layers without rotary positions
     "olmo": dataclasses.replace(_LLAMA, name="olmo"),  # layer norms without weights, optional q / k / v clipping
     "ernie4_5": dataclasses.replace(_LLAMA, name="ernie4_5"),
+    "ministral": dataclasses.replace(_LLAMA, name="ministral"),  # per-layer sliding-window attention
+    "seed_oss": dataclasses.replace(_LLAMA, name="seed_oss"),  # biased q / k / v (and o, optionally)
+    # the sub-blocks' outputs scaled by residual_multiplier before the residual add (in the layer's forward, outside
+    # the modules the sites replace); embedding / attention / logits multipliers outside the sites too
+    "granite": dataclasses.replace(_LLAMA, name="granite", residual_scale_key="residual_multiplier"),
+    # Llama's layer with biased LayerNorms and an ungated MLP (c_fc -> act -> c_proj, biased)
+    "starcoder2": dataclasses.replace(_LLAMA, name="starcoder2", up="c_fc", gate=None, down="c_proj", act="act"),
     "gemma": dataclasses.replace(_LLAMA, name="gemma", norm_plus_one=True),
     "gemma2": dataclasses.replace(_LLAMA, name="gemma2", act_keys=("hidden_activation", "hidden_act"),
                                   pre_norm="pre_feedforward_layernorm",
@@ -88,7 +101,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "gpt_neox": ArchSpec(name="gpt_neox", layers="layers", up="dense_h_to_4h", gate=None, down="dense_4h_to_h",
                          act="act", pre_norm="post_attention_layernorm", attn="attention", q=None, k=None, v=None,
                          o="dense", qkv="query_key_value", qkv_layout="neox", embeddings=("embed_in",),
-                         final_norm="final_layer_norm", heads_in_config=False),
+                         final_norm="final_layer_norm", heads_in_config=False, parallel_key="use_parallel_residual"),
     "opt": ArchSpec(name="opt", layers="decoder.layers", width_key="ffn_dim", mlp_layout="opt", mlp="", up="fc1", gate=None, down="fc2",
                     act="activation_fn", act_keys=("activation_function",), pre_norm="final_layer_norm",
                     o="out_proj", attn_norm="self_attn_layer_norm",

@@ -54,7 +54,7 @@ from .compress import _mmd_support, compress_site, draw_layer, mmd_draws
 from .config import DEFAULT_LAYERS, METHODS, FusionConfig
 from .kmeans import KMeansResult, kmeans
 from .neurons import cluster_means, neuron_vectors, weights_from_neurons
-from ..reconstruct.local import subblock_rows, tune_local_
+from ..reconstruct.local import stream_target, stream_target_refusal, subblock_rows, tune_local_
 from .probes import _ErrorProbes, count_after
 from .tuning import _gather_layers, site_params, split_share, tune_layers
 
@@ -228,13 +228,15 @@ def _fuse_calibrated(model: nn.Module, cfg: FusionConfig, layers: list[int], k: 
     probes = _ErrorProbes(sites, layers, capture, cfg.seed) if capture is not None else None
 
     def work(i: int, x: Tensor, x_ref: Tensor | None = None, y_ref: Tensor | None = None) -> None:
-        target = None if x_ref is None else x_ref + y_ref - x  # where the original stream goes, from where this is
+        # where the original stream goes, from where this is
+        target = None if x_ref is None else stream_target(sites.mlp[i], x, x_ref, y_ref)
         rows[i] = calibrated_layer(sites.mlp[i], widths[i], cfg, gen, x, probes, target)
 
     if original is None:
-        if cfg.calibration == "corrective" and any(sites.mlp[i].inner_post_norm is not None for i in layers):
-            raise MLPSurgeryError("calibration 'corrective' fits the MLP's output to a residual-stream target, and this "
-                                  "architecture normalises the MLP's output inside the sub-block; use 'sequential'")
+        why = next(filter(None, (stream_target_refusal(sites.mlp[i]) for i in layers)), None)
+        if cfg.calibration == "corrective" and why:
+            raise MLPSurgeryError(f"calibration 'corrective' fits the MLP's output to a residual-stream target, and "
+                                  f"{why}; use 'sequential'")
         sequential(model, calib, layers, work, batch_size=cfg.calib_batch, progress=progress, desc=cfg.method,
                    reference=cfg.calibration == "corrective")
     else:

@@ -35,6 +35,24 @@ def subblock_rows(site, x: Tensor) -> Tensor:
         return torch.cat([site.subblock(x[s:s + CHUNK]).float() for s in range(0, len(x), CHUNK)])
 
 
+def stream_target_refusal(site) -> str | None:
+    """Why the MLP at `site` cannot be fitted to a residual-stream target (`stream_target`), or None where it can."""
+    if site.inner_post_norm is not None:
+        return "this architecture normalises the MLP's output inside the sub-block"
+    if site.parallel:
+        return ("this model runs attention and MLP side by side on the layer's input (use_parallel_residual), so the "
+                "stream after the MLP also holds the attention's output on other rows")
+    return None
+
+
+def stream_target(site, x: Tensor, x_ref: Tensor, y_ref: Tensor) -> Tensor:
+    """The output the sub-block at `site` must give on the rows x to take them where the original stream goes: x_ref
+    (the original's rows at the same place) plus y_ref (what the original sub-block gives on them), both reaching the
+    stream through the layer's residual scale s: x + s t = x_ref + s y_ref. Only where `stream_target_refusal` is
+    None."""
+    return y_ref + (x_ref - x) / site.residual_scale
+
+
 def _error(site, x: Tensor, ref: Tensor, idx: Tensor) -> float:
     out = subblock_rows(site, x[idx])
     return float((out - ref[idx]).norm() / ref[idx].norm().clamp_min(1e-30))
