@@ -19,7 +19,7 @@ from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
 from mlpsurgery.train import FitConfig, fit, step_rng
 
-ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert", "granite", "starcoder2"]
+ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert", "granite", "starcoder2", "distilbert"]
 
 
 def blocks(n=16, t=32, seed=0):
@@ -196,8 +196,9 @@ def test_phase2_improves_on_phase1(tmp_path):
     assert last < first
 
 
-def test_encoder_phase2_distils_hidden_states(tmp_path):
-    model = tiny_model("bert")
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+def test_encoder_phase2_distils_hidden_states(tmp_path, arch):
+    model = tiny_model(arch)
     report = dlr_lock(model, blocks(), blocks(8, seed=1), small_cfg(phase2_steps=20, phase2_lr=3e-3), tmp_path / "w",
                       progress=False)
     assert report.phase2_history[-1]["loss"] < report.phase2_history[0]["loss"]

@@ -10,7 +10,7 @@ from mlpsurgery.tiny import ARCHITECTURES, tiny_model
 
 REQUIRED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
             "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt", "bert", "roberta",
-            "xlm-roberta"}
+            "xlm-roberta", "distilbert"}
 
 
 def test_every_required_architecture_is_supported():

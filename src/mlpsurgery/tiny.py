@@ -17,7 +17,7 @@ PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
             "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt")
-ENCODERS = ("bert", "roberta", "xlm-roberta")
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert")
 ARCHITECTURES = DECODERS + ENCODERS
 
 
@@ -48,6 +48,9 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
     elif arch == "opt":
         cfg = T.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                           max_position_embeddings=128, word_embed_proj_dim=32, dropout=0.0, **ids)
+    elif arch == "distilbert":
+        cfg = T.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+                                 max_position_embeddings=128, dropout=0.0, attention_dropout=0.0, pad_token_id=PAD)
     elif arch in ENCODERS:
         klass = {"bert": T.BertConfig, "roberta": T.RobertaConfig, "xlm-roberta": T.XLMRobertaConfig}[arch]
         kw = dict(common)

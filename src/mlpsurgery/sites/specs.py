@@ -113,6 +113,12 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                      q="self.query", k="self.key", v="self.value", o="output.dense", attn_norm=None,
                      embeddings=("embeddings",), final_norm=None, heads_in_config=False),
 }
+# BERT's post-norm layer with its MLP in one module (ffn: lin1 -> activation -> lin2) and its own names
+ARCH_SPECS["distilbert"] = ArchSpec(name="distilbert", layers="transformer.layer", decoder=False, mlp="ffn", up="lin1",
+                                    gate=None, down="lin2", act="activation", act_keys=("activation",),
+                                    width_key="hidden_dim", pre_norm=None, outer_post_norm="output_layer_norm",
+                                    attn="attention", q="q_lin", k="k_lin", v="v_lin", o="out_lin", attn_norm=None,
+                                    embeddings=("embeddings",), final_norm=None, heads_in_config=False)
 ARCH_SPECS["roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="roberta")
 ARCH_SPECS["xlm-roberta"] = dataclasses.replace(ARCH_SPECS["bert"], name="xlm-roberta")
 
