@@ -352,3 +352,22 @@ def test_a_work_folder_holding_the_users_files_is_refused_and_left_alone(tmp_pat
                           progress=False)
     assert notes.read_text() == "mine" and not (tmp_path / "out").exists()
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["layer000"]
+
+
+@pytest.mark.parametrize("layerwise", ["--layerwise", "--no-layerwise"])
+def test_a_model_whose_mlp_shares_its_norm_with_attention_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                                  layerwise):
+    """Phi-2 runs attention and MLP on one LayerNorm: a DLR-Net of the raw stream in place of the MLP sub-block would
+    take that norm from attention too. Refused with one line, exit 2, no folder and no work folder."""
+    from mlpsurgery.cli import main
+    from mlpsurgery.tiny import byte_tokenizer
+
+    src = saved_checkpoint(tmp_path, "phi")
+    byte_tokenizer().save_pretrained(src)
+    capsys.readouterr()  # (the save's progress bar)
+    out, work = tmp_path / "locked", tmp_path / "work"
+    assert main(["lock", "dlr", str(src), "--out", str(out), "--workdir", str(work), layerwise, "--block-len", "32",
+                 "--calib-blocks", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "share their norm with attention" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not work.exists()

@@ -220,6 +220,10 @@ def test_to_stock_consuming_equals_copying_and_leaves_the_callers_model_whole(ar
 
     from mlpsurgery.io import to_stock, tree_copy
 
+    if case == "dlr" and find_sites(tiny_model(arch)).mlp[0].shared_norm:  # Phi-2: no DLR-Lock (test_dlr_layerwise)
+        with pytest.raises(MLPSurgeryError, match="shares its norm"):
+            _stock_cases()[case](tiny_model(arch))
+        return
     model = _stock_cases()[case](tiny_model(arch))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     structure = [(n, type(m)) for n, m in model.named_modules()]

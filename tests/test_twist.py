@@ -88,7 +88,7 @@ def test_kappa_maps_to_kv_groups_as_documented():
 
 SUBSET_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
                 "starcoder2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "bert", "roberta", "xlm-roberta", "gpt2",
-                "opt", "phi3", "distilbert")
+                "opt", "phi3", "phi", "distilbert")
 
 
 def four_layers(arch, seed=0):

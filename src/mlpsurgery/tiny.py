@@ -16,7 +16,7 @@ VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
 PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
-            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt")
+            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "gpt2", "gpt_neox", "opt")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert")
 ARCHITECTURES = DECODERS + ENCODERS
 
@@ -65,7 +65,7 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
                  "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
                  "phi3": T.Phi3Config, "smollm3": T.SmolLM3Config, "olmo": T.OlmoConfig,
                  "ernie4_5": T.Ernie4_5Config, "ministral": T.MinistralConfig, "seed_oss": T.SeedOssConfig,
-                 "granite": T.GraniteConfig, "starcoder2": T.Starcoder2Config}.get(arch)
+                 "granite": T.GraniteConfig, "starcoder2": T.Starcoder2Config, "phi": T.PhiConfig}.get(arch)
         if klass is None:
             raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
         kw = dict(common, num_key_value_heads=2)
@@ -83,6 +83,8 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
             kw.update(residual_multiplier=0.5, embedding_multiplier=4.0, attention_multiplier=0.25, logits_scaling=2.0)
         if arch == "starcoder2":
             kw.update(residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)
+        if arch == "phi":
+            kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
         cfg = klass(**kw)
     for k, v in overrides.items():
         setattr(cfg, k, v)

@@ -97,7 +97,12 @@ class MLPSite:
         """Whether the layer runs attention and this MLP side by side on its input (GPT-NeoX's default): `entry` then
         sees the stream entering the layer, and the layer adds both sub-blocks' outputs to it."""
         key = self.spec.parallel_key
-        return bool(key and getattr(self.config, key, False))
+        return self.spec.parallel or bool(key and getattr(self.config, key, False))
+
+    @property
+    def shared_norm(self) -> bool:
+        """Whether the MLP's pre-norm is also the attention's (Phi-2): it cannot be removed for the MLP alone."""
+        return self.spec.pre_norm is not None and self.spec.pre_norm == self.spec.attn_norm
 
     @property
     def exit(self) -> nn.Module:
@@ -289,7 +294,12 @@ class MLPSite:
             _set(self.layer, s.down, nn.Identity())
 
     def replace_subblock(self, module: nn.Module) -> None:
-        """Make the sub-block compute x + module(x) from the raw residual stream x (norms inside become Identity)."""
+        """Make the sub-block compute x + module(x) from the raw residual stream x (norms inside become Identity).
+        Refused where the pre-norm is also the attention's (`shared_norm`): attention would read the raw stream."""
+        if self.shared_norm:
+            raise MLPSurgeryError(f"layer {self.index}: this {self.spec.name} layer's MLP shares its norm "
+                                  f"({self.spec.pre_norm}) with attention, so its sub-block cannot be replaced "
+                                  "from the raw residual stream; replace the MLP itself (replace_mlp)")
         for path in (self.spec.pre_norm, self.spec.inner_post_norm):
             if path:
                 _set(self.layer, path, nn.Identity())

@@ -36,6 +36,7 @@ class ArchSpec:
     # the config switch that runs attention and MLP side by side on the layer's input (GPT-NeoX's
     # use_parallel_residual): the MLP's input is then the stream entering the layer, not the one attention left
     parallel_key: str | None = None
+    parallel: bool = False  # always so (Phi-2), whatever the config
     width_key: str = "intermediate_size"  # the config field holding the MLP inner width
     # attention
     attn: str = "self_attn"
@@ -93,6 +94,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "phi3": dataclasses.replace(_LLAMA, name="phi3", up=None, gate=None, gate_up="gate_up_proj", act="activation_fn",
                                 q=None, k=None, v=None, qkv="qkv_proj", qkv_layout="blocks",
                                 narrow_attn="NarrowPhi3Attention"),
+    # attention and MLP side by side on one shared LayerNorm of the layer's input; an ungated MLP (fc1 / fc2)
+    "phi": dataclasses.replace(_LLAMA, name="phi", up="fc1", gate=None, down="fc2", act="activation_fn",
+                               pre_norm="input_layernorm", o="dense", final_norm="final_layernorm", parallel=True),
     "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
                      act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",

@@ -178,6 +178,7 @@ def _transformer_groups(model: nn.Module, cfg: CoreLockerConfig, visit=None) -> 
             path = paths[id(mlp.layer)]
             exposed = [m for m in (attn.pre_norm, mlp.pre_norm, mlp.inner_post_norm, mlp.outer_post_norm)
                        if m is not None and _is_norm(m)]  # (OLMo's layer norms carry no weights)
+            exposed = [m for j, m in enumerate(exposed) if all(m is not e for e in exposed[:j])]  # Phi-2: one norm
             # norms the sites layer does not name (BERT's attention-output LayerNorm, q/k norms) are
             # found by structure: a module of the layer with a 1-D weight whose class is a norm.
             others = [m for m in mlp.layer.modules() if _is_norm(m) and all(m is not e for e in exposed)]

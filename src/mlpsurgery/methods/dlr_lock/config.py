@@ -157,6 +157,10 @@ def plan(model: nn.Module, cfg: DLRConfig) -> tuple[list[int], int, int]:
     locked = [i for i in layers if isinstance(sites.mlp[i].module, DLRNet)]
     if locked:
         raise MLPSurgeryError(f"layers {locked} are already DLR-locked; choose other layers (--layers)")
+    if any(sites.mlp[i].shared_norm for i in layers):
+        raise MLPSurgeryError(f"DLR-Lock replaces each MLP sub-block, norm included, by a residual net of the raw "
+                              f"stream, and this {sites.spec.name} model's MLPs share their norm with attention; "
+                              "it cannot be locked with DLR-Lock (CoreLocker's `lock key` can)")
     # Any other module computing the sub-block (nested, fused, pruned MLPs) is distilled as it is: phase 1 sees
     # only what enters and leaves the sub-block.
     budget = max(budgets)
