@@ -3,6 +3,7 @@ or the whole sub-block)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -87,7 +88,7 @@ class MLPSite:
         (Granite's residual_multiplier; 1 elsewhere). `exit` and `subblock` give the output before it."""
         key = self.spec.residual_scale_key
         scale = 1.0 if key is None else getattr(self.config, key, 1.0)
-        if not isinstance(scale, (int, float)) or not scale or scale != scale:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale or not math.isfinite(scale):
             raise MLPSurgeryError(f"{self.spec.name}: config.{key} = {scale!r}; the sub-block's output must reach the "
                                   "residual stream with a finite non-zero scale")
         return float(scale)

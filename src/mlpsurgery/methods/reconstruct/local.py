@@ -40,8 +40,8 @@ def stream_target_refusal(site) -> str | None:
     if site.inner_post_norm is not None:
         return "this architecture normalises the MLP's output inside the sub-block"
     if site.parallel:
-        return ("this model runs attention and MLP side by side on the layer's input (use_parallel_residual), so the "
-                "stream after the MLP also holds the attention's output on other rows")
+        return ("this model runs attention and MLP side by side on the layer's input (Phi-2; GPT-NeoX's "
+                "use_parallel_residual), so the stream after the MLP also holds the attention's output on other rows")
     return None
 
 
