@@ -69,7 +69,9 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
         if klass is None:
             raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
         kw = dict(common, num_key_value_heads=2)
-        if arch in ("gemma", "gemma2", "gemma3_text", "qwen3", "seed_oss", "ministral"):
+        if arch in ("gemma", "gemma2", "gemma3_text", "qwen3", "seed_oss"):
+            kw["head_dim"] = 16  # heads x head_dim = 64, not the width 32: as in Qwen3, Gemma 2 / 3, Seed-OSS
+        if arch == "ministral":
             kw["head_dim"] = 8
         if arch == "qwen2":
             kw["use_sliding_window"] = False
