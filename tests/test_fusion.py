@@ -390,6 +390,18 @@ def test_cli_fuse_then_export_and_eval_ntk(capsys, tmp_path):
     assert "per-MLP Adam NTK" in capsys.readouterr().out
 
 
+def test_cli_fuse_says_when_the_layer_wise_tuning_made_the_layers_worse(capsys, tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT * 30)
+    said = {}
+    for lr in ("1e-3", "3"):  # a learning rate that throws the weights off: the MSE rises, and the user is told
+        code = main(["fuse", "tiny:llama", "--out", str(tmp_path / lr), "--width", "16", "--tune-data",
+                     str(tmp_path / "t.txt"), "--block-len", "32", "--tune-steps", "5", "--tune-lr", lr])
+        said[lr] = capsys.readouterr().out
+        assert code == 0 and "layer-wise tuning: 5 steps" in said[lr]
+    assert "it rose" not in said["1e-3"]
+    assert "it rose: the tuning made these layers' outputs worse" in said["3"] and "lower --tune-lr" in said["3"]
+
+
 def test_cli_fuse_refuses_a_busy_out_and_bad_width(capsys, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")

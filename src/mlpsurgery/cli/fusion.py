@@ -190,8 +190,10 @@ def render_fuse(r: dict) -> str:
     if "tuning" in r:
         t = r["tuning"]
         split = f", split by layer over {r['world_size']} processes" if r.get("world_size", 1) > 1 else ""
+        rose = (" -- it rose: the tuning made these layers' outputs worse on its own tokens; rerun with a lower "
+                "--tune-lr or fewer --tune-steps") if t["mse_after"] > t["mse_before"] else ""
         lines.append(f"layer-wise tuning: {t['steps']} steps on {t['tokens']} tokens, MSE {t['mse_before']:.4g} -> "
-                     f"{t['mse_after']:.4g}{split}")
+                     f"{t['mse_after']:.4g}{split}{rose}")
     lines.append(f"relative error of each compressed MLP's output: on {r['error_inputs']}")
     lines.append(f"saved to {r['out']} ({r['seconds']:.0f} s); after fine-tuning, `mlpsurgery export` folds P into a "
                  "plain transformers model (every layer fused to one width)")
