@@ -13,6 +13,21 @@ REQUIRED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5",
             "xlm-roberta", "distilbert"}
 
 
+# Config switches that change a supported architecture's layer (biases, norm order, parallel attention, windows):
+# every site test here runs on them as on the defaults.
+VARIANTS = {"llama+bias": ("llama", dict(mlp_bias=True, attention_bias=True)),
+            "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False)),
+            "opt-postnorm": ("opt", dict(do_layer_norm_before=False)),  # OPT-350m
+            "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                                            layer_types=["full_attention", "sliding_attention"]))}
+
+
+@pytest.fixture(params=list(ARCHITECTURES) + list(VARIANTS))
+def model(request):
+    arch, overrides = VARIANTS.get(request.param, (request.param, {}))
+    return tiny_model(arch, **overrides)
+
+
 def test_every_required_architecture_is_supported():
     assert REQUIRED <= set(SUPPORTED)
     assert REQUIRED <= set(ARCHITECTURES)
