@@ -9,8 +9,8 @@ from mlpsurgery.sites import SUPPORTED, find_sites, generic_layers, parse_layers
 from mlpsurgery.tiny import ARCHITECTURES, tiny_model
 
 REQUIRED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
-            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "gpt2", "gpt_neox", "opt", "bert", "roberta",
-            "xlm-roberta", "distilbert"}
+            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "cohere", "cohere2", "gpt2", "gpt_neox",
+            "opt", "bert", "roberta", "xlm-roberta", "distilbert"}
 
 
 # Config switches that change a supported architecture's layer (biases, norm order, parallel attention, windows):

@@ -88,7 +88,7 @@ def test_kappa_maps_to_kv_groups_as_documented():
 
 SUBSET_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
                 "starcoder2", "gemma", "gemma2", "gemma3_text", "gpt_neox", "bert", "roberta", "xlm-roberta", "gpt2",
-                "opt", "phi3", "phi", "distilbert")
+                "opt", "phi3", "phi", "cohere", "cohere2", "distilbert")
 
 
 def four_layers(arch, seed=0):
@@ -193,6 +193,23 @@ def test_subset_model_errors():
         subset_model(m, mlp_neurons={7: [0]})
     with pytest.raises(MLPSurgeryError, match="equal chunks"):
         make_layout(m, "ffn", [1], blocks=5, keep=2)
+
+
+def test_heads_are_kept_where_the_attention_holds_weights_across_or_per_heads(ids):
+    """Command R+ (cohere with use_qk_norm) normalises q and k with per-head weights (4 x 8 here): removing a head
+    would have to slice them, so it is refused; the MLP still narrows, and Qwen 3's q / k norms over one head's width
+    (shared by every head) do not stop a head from going."""
+    m = tiny_model("cohere", use_qk_norm=True)
+    assert tuple(find_sites(m).attn[0].module.q_norm.weight.shape) == (4, 8)
+    with pytest.raises(MLPSurgeryError, match=r"layer 0: its attention holds q_norm.weight \(4, 8\)"):
+        subset_model(m, attn_groups={0: [0]})
+    small = subset_model(m, mlp_neurons={0: list(range(32))})
+    assert find_sites(small).mlp[0].h == 32 and torch.isfinite(outputs(small, ids)).all()
+    q3 = subset_model(tiny_model("qwen3"), attn_groups={0: [1]})
+    assert find_sites(q3).attn[0].n_kv == 1
+    with pytest.raises(MLPSurgeryError, match="q_norm.weight"):  # TwIST refuses such a layout before training
+        make_layout(m, "both", [0, 1], blocks=4, keep=2)
+    assert make_layout(m, "ffn", [0, 1], blocks=4, keep=2).mlp_h == {0: 64, 1: 64}
 
 
 # ---- layer by layer (methods/twist/layerwise.py) -------------------------------------------------------

@@ -22,6 +22,21 @@ from .io import copy_config, history, source_of
 from .modules import MODULES
 
 
+def check_heads_removable(site) -> None:
+    """Refuse to remove heads from an attention that holds weights across or per heads besides its projections:
+    q / k norms over the whole projection (OLMo 2) change when a head goes, and per-head ones (Command R+) would have
+    to be sliced; norms over one head's width (Qwen 3, Gemma 3) are shared by all heads and stay."""
+    skip = {id(p) for m in site.projections() for p in m.parameters()}
+    after_o = site.spec.o.rpartition(".")[0]  # BERT's attention output block: its LayerNorm acts after the heads merge
+    if after_o:
+        skip |= {id(p) for p in site.module.get_submodule(after_o).parameters()}
+    for name, p in site.module.named_parameters():
+        if id(p) not in skip and p.numel() > site.head_dim:
+            raise NotExportableError(
+                f"layer {site.index}: its attention holds {name} {tuple(p.shape)}, weights across or per heads that "
+                "removing heads would change; keep every head (narrow the MLP only)")
+
+
 def _checked_subset(name: str, layer: int, idx, n: int) -> list[int]:
     idx = [int(i) for i in idx]
     if not idx or len(set(idx)) != len(idx) or not all(0 <= i < n for i in idx):
@@ -73,6 +88,9 @@ def plan_subsets(model: nn.Module, attn_groups: dict[int, Any] | None = None,
     for i in range(n_layers):
         groups.setdefault(i, list(range(sites.attn[i].n_kv)))
         neurons.setdefault(i, list(range(sites.mlp[i].h)))
+    for i in range(n_layers):
+        if len(groups[i]) != sites.attn[i].n_kv:
+            check_heads_removable(sites.attn[i])
     kv_after = [len(groups[i]) for i in range(n_layers)]
     h_after = [len(neurons[i]) for i in range(n_layers)]
 

@@ -16,7 +16,8 @@ VOCAB = 260  # 256 bytes + <pad> <s> </s> <unk>
 PAD, BOS, EOS, UNK = 256, 257, 258, 259
 
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
-            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "gpt2", "gpt_neox", "opt")
+            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "cohere", "cohere2", "gpt2", "gpt_neox",
+            "opt")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert")
 ARCHITECTURES = DECODERS + ENCODERS
 
@@ -65,7 +66,8 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
                  "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
                  "phi3": T.Phi3Config, "smollm3": T.SmolLM3Config, "olmo": T.OlmoConfig,
                  "ernie4_5": T.Ernie4_5Config, "ministral": T.MinistralConfig, "seed_oss": T.SeedOssConfig,
-                 "granite": T.GraniteConfig, "starcoder2": T.Starcoder2Config, "phi": T.PhiConfig}.get(arch)
+                 "granite": T.GraniteConfig, "starcoder2": T.Starcoder2Config, "phi": T.PhiConfig,
+                 "cohere": T.CohereConfig, "cohere2": T.Cohere2Config}.get(arch)
         if klass is None:
             raise ValueError(f"no tiny config for {arch!r}; known: {', '.join(ARCHITECTURES)}")
         kw = dict(common, num_key_value_heads=2)
@@ -87,6 +89,8 @@ def tiny_config(arch: str, **overrides) -> T.PretrainedConfig:
             kw.update(residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)
         if arch == "phi":
             kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        if arch == "cohere2":  # a window shorter than the tests' texts, on every second layer
+            kw.update(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
         cfg = klass(**kw)
     for k, v in overrides.items():
         setattr(cfg, k, v)

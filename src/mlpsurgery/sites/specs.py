@@ -97,6 +97,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     # attention and MLP side by side on one shared LayerNorm of the layer's input; an ungated MLP (fc1 / fc2)
     "phi": dataclasses.replace(_LLAMA, name="phi", up="fc1", gate=None, down="fc2", act="activation_fn",
                                pre_norm="input_layernorm", o="dense", final_norm="final_layernorm", parallel=True),
+    # Phi-2's parallel layer with a gated MLP and weight-only LayerNorms (Command R; Cohere 2 adds sliding windows)
+    "cohere": dataclasses.replace(_LLAMA, name="cohere", pre_norm="input_layernorm", parallel=True),
+    "cohere2": dataclasses.replace(_LLAMA, name="cohere2", pre_norm="input_layernorm", parallel=True),
     "gpt2": ArchSpec(name="gpt2", layers="h", width_key="n_inner", up="c_fc", gate=None, down="c_proj", act="act",
                      act_keys=("activation_function",), pre_norm="ln_2", attn="attn",
                      q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="gpt2", attn_norm="ln_1",

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ...errors import MLPSurgeryError
 from ...sites import find_sites
+from ...subsets import check_heads_removable
 from .generator import _check_subnet, attn_keep_for, check_subnet_size, deployment_subnet, generate_blueprint
 
 PARTS = ("attn", "ffn", "both")
@@ -104,6 +105,8 @@ def make_layout(model: nn.Module, parts: str, layers, blocks: int, keep: int, at
             k = attn_keep if attn_keep is not None else attn_keep_for(keep / blocks, n_kv)
             if not 1 <= k <= n_kv:
                 raise MLPSurgeryError(f"layer {i} has {n_kv} KV groups; a subnet cannot keep {k}")
+            if k < n_kv:  # a subnet's attention would lose heads: refused before any training where it cannot
+                check_heads_removable(sites.attn[i])
             attn_full[i], attn_sub[i] = n_kv, k
     if parts in ("ffn", "both"):
         for i in layers:
