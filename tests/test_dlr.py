@@ -19,7 +19,7 @@ from mlpsurgery.sites import find_sites
 from mlpsurgery.tiny import byte_tokenizer, tiny_model
 from mlpsurgery.train import FitConfig, fit, step_rng
 
-ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert", "granite", "starcoder2", "distilbert"]
+ARCHS = ["llama", "gemma2", "phi3", "gpt_neox", "opt", "bert", "granite", "starcoder2", "distilbert", "olmo2"]
 
 
 def blocks(n=16, t=32, seed=0):

@@ -281,7 +281,7 @@ def test_the_corrective_target_takes_the_layer_where_the_original_stream_goes(ar
     model = tiny_model("gpt_neox", use_parallel_residual=False) if arch == "gpt_neox-sequential" else tiny_model(arch)
     why = stream_target_refusal(find_sites(model).mlp[0])
     if why is not None:
-        assert arch in ("gemma2", "gemma3_text", "gpt_neox", "phi", "cohere", "cohere2")
+        assert arch in ("gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "gpt_neox", "phi", "cohere", "cohere2")
         with pytest.raises(MLPSurgeryError, match="corrective.*" + why[:40]):
             fuse(model, FusionConfig(width=24, method="neuron", calibration="corrective"), calib_data=_blocks(),
                  progress=False)

@@ -6,11 +6,12 @@ from conftest import outputs
 from mlpsurgery.errors import MLPSurgeryError, UnsupportedArchitectureError
 from mlpsurgery.modules.dense import DenseMLP
 from mlpsurgery.sites import SUPPORTED, find_sites, generic_layers, parse_layers
+from mlpsurgery.subsets import check_heads_removable
 from mlpsurgery.tiny import ARCHITECTURES, tiny_model
 
 REQUIRED = {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "ernie4_5", "ministral", "seed_oss", "granite",
-            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "cohere", "cohere2", "gpt2", "gpt_neox",
-            "opt", "bert", "roberta", "xlm-roberta", "distilbert"}
+            "starcoder2", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "cohere", "cohere2", "olmo2", "olmo3",
+            "exaone4", "gpt2", "gpt_neox", "opt", "bert", "roberta", "xlm-roberta", "distilbert"}
 
 
 # Config switches that change a supported architecture's layer (biases, norm order, parallel attention, windows):
@@ -148,6 +149,11 @@ def test_head_slices_are_consistent_per_kv_group(model, ids):
     ref = outputs(model, ids)
     for a in find_sites(model).attn:
         w = a.read()
+        if any(n.startswith(("q_norm", "k_norm")) and p.numel() > a.head_dim for n, p in a.module.named_parameters()):
+            # OLMo 2: q / k norms across every head tie the heads' order to theirs; nothing reorders or removes them
+            with pytest.raises(MLPSurgeryError, match="weights across or per heads"):
+                check_heads_removable(a)
+            return
         perm = torch.randperm(w.n_kv, generator=torch.Generator().manual_seed(a.index))
         if w.n_kv > 1 and torch.equal(perm, torch.arange(w.n_kv)):
             perm = perm.flip(0)

@@ -84,6 +84,14 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "granite": dataclasses.replace(_LLAMA, name="granite", residual_scale_key="residual_multiplier"),
     # Llama's layer with biased LayerNorms and an ungated MLP (c_fc -> act -> c_proj, biased)
     "starcoder2": dataclasses.replace(_LLAMA, name="starcoder2", up="c_fc", gate=None, down="c_proj", act="act"),
+    # norms after the sub-blocks only, none before (the MLP reads the raw stream); OLMo 2's q / k norms span every
+    # head (so its heads stay, subsets.check_heads_removable), EXAONE 4's one head's width
+    "olmo2": dataclasses.replace(_LLAMA, name="olmo2", pre_norm=None, attn_norm=None,
+                                 inner_post_norm="post_feedforward_layernorm"),
+    "olmo3": dataclasses.replace(_LLAMA, name="olmo3", pre_norm=None, attn_norm=None,  # OLMo 2's + sliding windows
+                                 inner_post_norm="post_feedforward_layernorm"),
+    "exaone4": dataclasses.replace(_LLAMA, name="exaone4", pre_norm=None, attn_norm=None,
+                                   inner_post_norm="post_feedforward_layernorm"),
     "gemma": dataclasses.replace(_LLAMA, name="gemma", norm_plus_one=True),
     "gemma2": dataclasses.replace(_LLAMA, name="gemma2", act_keys=("hidden_activation", "hidden_act"),
                                   pre_norm="pre_feedforward_layernorm",
