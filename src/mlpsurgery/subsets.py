@@ -34,7 +34,7 @@ def check_heads_removable(site) -> None:
         if id(p) not in skip and p.numel() > site.head_dim:
             raise NotExportableError(
                 f"layer {site.index}: its attention holds {name} {tuple(p.shape)}, weights across or per heads that "
-                "removing heads would change; keep every head (narrow the MLP only)")
+                "removing heads would change; keep every head (narrow the MLP only: --parts ffn)")
 
 
 def _checked_subset(name: str, layer: int, idx, n: int) -> list[int]:
