@@ -3,6 +3,7 @@ rank's share of a batch, and sums, gathers and broadcasts over the ranks (gloo o
 
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -78,11 +79,22 @@ def init(device: str | torch.device = "cpu") -> tuple[int, int]:
     # rank's share of phase 1 left after a resume): far longer than torch's 30-minute default. A rank that dies
     # does not leave the others waiting out this timeout: torchrun stops every rank when one fails.
     dist.init_process_group(backend=backend, timeout=timedelta(hours=24))
+    # left to the interpreter's finalisation, gloo's worker threads can still hold work with Python references and
+    # abort the process ("terminate called without an active exception", SIGABRT) after its work is done (seen in
+    # CI; pytorch/pytorch#190489): the group is destroyed while the interpreter is whole
+    atexit.register(_destroy)
     # every rank joined before any returns: a rank that refuses its command at once (its own checks, before any
     # collective) and exits would otherwise take rank 0's store away from a rank still joining ("Connection reset
     # by peer" there instead of the refusal; seen in CI)
     dist.barrier()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def on_rank0(prepare: Callable[[], Any]) -> Any:
